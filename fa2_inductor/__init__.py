@@ -1,0 +1,11 @@
+"""fa2_inductor: FlashAttention-2 for Hopper behind a torch.library op and an Inductor pass.
+
+Importing never initialises CUDA and never fails when the compiled kernel is missing.
+"""
+
+from . import config
+from .ops import flash_attention
+from .reference import attention_reference
+
+__all__ = ["attention_reference", "config", "flash_attention"]
+__version__ = "0.1.0"

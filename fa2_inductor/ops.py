@@ -1,0 +1,178 @@
+"""The attention op: schema, input checks, fake, reference and CUDA implementations, autograd.
+
+``torch.ops.fa2_inductor.flash_attention_fwd(q, k, v, attn_mask, scale, is_causal) -> (out, lse)``
+computes ``softmax(q kᵀ · scale + mask) v`` like ``F.scaled_dot_product_attention`` and also returns
+the natural-log log-sum-exp of the scaled, masked scores. ``lse`` is not differentiable.
+
+The CUDA implementation runs the Hopper kernel where it covers the call (see ``_cuda``) and the
+reference otherwise, so every device gets a correct answer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _cuda, reference
+
+MAX_HEAD_DIM = 256
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool) -> None:
+    """Raises ValueError naming the problem when the arguments do not describe a valid attention."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"flash_attention: {name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"flash_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"flash_attention: unsupported dtype {q.dtype}; use float16, bfloat16 or float32")
+    if q.dtype == torch.float64 and q.device.type != "cpu":
+        raise ValueError("flash_attention: float64 runs only on CPU (the reference path); use float32, float16 or bfloat16")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"flash_attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    b, hq, sq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"flash_attention: batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[-1] != d or v.shape[-1] != d:
+        raise ValueError(f"flash_attention: head dims differ: q {d}, k {k.shape[-1]}, v {v.shape[-1]}")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"flash_attention: head_dim {d} is larger than the supported {MAX_HEAD_DIM}")
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"flash_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same heads and length")
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"flash_attention: query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if attn_mask is not None:
+        _check_mask(attn_mask, (b, hq, sq, k.shape[2]), q, is_causal)
+
+
+def _check_mask(attn_mask: Tensor, shape: tuple, q: Tensor, is_causal: bool) -> None:
+    if is_causal:
+        raise ValueError("flash_attention: give either attn_mask or is_causal=True, not both (as in SDPA)")
+    if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+        raise ValueError(f"flash_attention: attn_mask must be bool (True = attend) or floating (additive), got {attn_mask.dtype}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"flash_attention: attn_mask is on {attn_mask.device}, q on {q.device}")
+    mask_shape = tuple(attn_mask.shape)
+    fits = attn_mask.dim() <= 4 and all(
+        m == 1 or m == t for m, t in zip(reversed(mask_shape), reversed(shape))
+    )
+    if not fits:
+        raise ValueError(f"flash_attention: attn_mask of shape {mask_shape} does not broadcast to [B, Hq, Sq, Sk] = {list(shape)}")
+
+
+def _reference_fwd(q, k, v, attn_mask, scale, is_causal):
+    out, lse = reference.empty_outputs(q, v)
+    reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse)
+    return out, lse
+
+
+@torch.library.custom_op("fa2_inductor::flash_attention_fwd", mutates_args=())
+def flash_attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], scale: float, is_causal: bool
+) -> tuple[Tensor, Tensor]:
+    check_inputs(q, k, v, attn_mask, is_causal)
+    return _reference_fwd(q, k, v, attn_mask, scale, is_causal)
+
+
+@flash_attention_fwd.register_kernel("cuda")
+def _flash_attention_fwd_cuda(q, k, v, attn_mask, scale, is_causal):
+    check_inputs(q, k, v, attn_mask, is_causal)
+    if _cuda.kernel_unsupported_reason(q, k, v, attn_mask, is_causal) is not None:
+        return _reference_fwd(q, k, v, attn_mask, scale, is_causal)
+    out, lse = reference.empty_outputs(q, v)
+    _cuda.forward(q, k, v, scale, is_causal, out, lse)
+    return out, lse
+
+
+@flash_attention_fwd.register_fake
+def _flash_attention_fwd_fake(q, k, v, attn_mask, scale, is_causal):
+    check_inputs(q, k, v, attn_mask, is_causal)
+    return reference.empty_outputs(q, v)
+
+
+@torch.library.custom_op("fa2_inductor::flash_attention_bwd", mutates_args=())
+def flash_attention_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Optional[Tensor],
+    scale: float,
+    is_causal: bool,
+    compute_mask_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dmask), all contiguous; dmask is empty unless compute_mask_grad."""
+    return _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad)
+
+
+def _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad):
+    dq, dk, dv, dmask = reference.attention_backward(
+        grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad
+    )
+    dmask = q.new_empty(0) if dmask is None else dmask.contiguous()
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dmask
+
+
+@flash_attention_bwd.register_kernel("cuda")
+def _flash_attention_bwd_cuda(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad):
+    if compute_mask_grad or _cuda.backward_unsupported_reason(q, k, v, attn_mask, is_causal) is not None:
+        return _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad)
+    dq, dk, dv = _cuda.backward(grad_out, q, k, v, out, lse, scale, is_causal)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty(0)
+
+
+@flash_attention_bwd.register_fake
+def _flash_attention_bwd_fake(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad):
+    dmask = attn_mask.new_empty(attn_mask.shape) if compute_mask_grad else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, scale, is_causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.scale = scale
+    ctx.is_causal = is_causal
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    compute_mask_grad = bool(ctx.needs_input_grad[3])
+    dq, dk, dv, dmask = flash_attention_bwd(
+        grad_out, q, k, v, out, lse, attn_mask, ctx.scale, ctx.is_causal, compute_mask_grad
+    )
+    return dq, dk, dv, (dmask if compute_mask_grad else None), None, None
+
+
+flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+) -> Tensor:
+    """Differentiable ``softmax(q kᵀ · scale + mask) v`` with SDPA's layout and meaning.
+
+    q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D] with Hq % Hkv == 0 (GQA/MQA without copying K/V).
+    attn_mask: bool (True = attend) or additive float, broadcastable to [B, Hq, Sq, Sk].
+    is_causal: top-left aligned (query i sees keys j <= i), as in SDPA. scale defaults to 1/sqrt(D).
+    Rows with no visible key return 0.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    out, _ = flash_attention_fwd(q, k, v, attn_mask, float(scale), bool(is_causal))
+    return out

@@ -1,0 +1,187 @@
+"""Plain-PyTorch attention: the op's implementation on devices without the kernel, and the tests' reference.
+
+Everything is computed in float32 (float64 stays float64) and processed in query blocks, so at most
+``B * Hq * block * Sk`` scores exist at once. K and V are never repeated for GQA: queries are grouped
+as ``[B, Hkv, G, Sq, D]`` against ``[B, Hkv, 1, Sk, D]``.
+
+Rows whose keys are all masked out give ``out = 0`` and ``lse = -inf`` (FlashAttention's convention).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+# Scores held at once by one query block, in elements (64 Mi float32 = 256 MiB).
+_MAX_BLOCK_SCORES = 1 << 26
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _query_blocks(batch: int, heads: int, seq_q: int, seq_k: int) -> Iterator[slice]:
+    per_row = max(1, batch * heads * max(seq_k, 1))
+    block = max(1, min(seq_q, _MAX_BLOCK_SCORES // per_row))
+    for start in range(0, seq_q, block):
+        yield slice(start, min(start + block, seq_q))
+
+
+def _group_view(x: Tensor, kv_heads: int) -> Tensor:
+    """[B, Hq, S, X] -> [B, Hkv, G, S, X] (a view: K/V are never repeated)."""
+    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads))
+
+
+def _mask_block(
+    attn_mask: Optional[Tensor], rows: slice, shape: tuple, kv_heads: int, dtype: torch.dtype
+) -> Optional[Tensor]:
+    """The additive bias for one query block, shaped [B|1, Hkv|1, G|1, rows, Sk] (broadcastable)."""
+    if attn_mask is None:
+        return None
+    b, hq, sq, sk = shape
+    mask = attn_mask
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    if mask.shape[2] != 1:
+        mask = mask[:, :, rows]
+    if mask.shape[1] == 1:
+        mask = mask.unsqueeze(2)
+    else:
+        mask = mask.unflatten(1, (kv_heads, hq // kv_heads))
+    if mask.dtype == torch.bool:
+        zero = torch.zeros((), dtype=dtype, device=mask.device)
+        return torch.where(mask, zero, float("-inf"))
+    return mask.to(dtype)
+
+
+def _causal_bias(rows: slice, seq_k: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Top-left causal: query i sees keys j <= i."""
+    q_pos = torch.arange(rows.start, rows.stop, device=device).unsqueeze(1)
+    k_pos = torch.arange(seq_k, device=device).unsqueeze(0)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(k_pos <= q_pos, zero, float("-inf"))
+
+
+def _block_scores(q, k, attn_mask, scale, is_causal, rows, shape, kv_heads, acc):
+    """Scaled, masked scores of one query block: [B, Hkv, G, rows, Sk] in the accumulation dtype."""
+    scores = torch.matmul(_group_view(q[:, :, rows], kv_heads).to(acc), k.to(acc).unsqueeze(2).transpose(-1, -2))
+    scores = scores * scale
+    bias = _mask_block(attn_mask, rows, shape, kv_heads, acc)
+    if bias is not None:
+        scores = scores + bias
+    if is_causal:
+        scores = scores + _causal_bias(rows, shape[3], q.device, acc)
+    return scores
+
+
+def empty_outputs(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Uninitialised (out, lse) with the layout every implementation returns.
+
+    out is [B, Hq, Sq, Dv] with the strides of a [B, Sq, Hq, Dv] buffer, so the usual
+    ``out.transpose(1, 2).reshape(B, Sq, Hq * Dv)`` that follows attention is free; lse is contiguous.
+    """
+    b, hq, sq, _ = q.shape
+    dv = v.shape[-1]
+    out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device).transpose(1, 2)
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Optional[Tensor],
+    scale: float,
+    is_causal: bool,
+    out: Tensor,
+    lse: Tensor,
+) -> None:
+    """Writes softmax(q kᵀ · scale + mask) v into ``out`` and the natural-log LSE into ``lse``."""
+    b, hq, sq, _ = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    shape = (b, hq, sq, sk)
+    acc = _accumulation_dtype(q.dtype)
+    v_acc = v.to(acc).unsqueeze(2)
+    for rows in _query_blocks(b, hq, sq, sk):
+        scores = _block_scores(q, k, attn_mask, scale, is_causal, rows, shape, hkv, acc)
+        row_max = scores.amax(dim=-1, keepdim=True) if sk > 0 else scores.new_full((*scores.shape[:-1], 1), float("-inf"))
+        # Fully masked rows have max -inf: shift them by 0 so exp gives 0 instead of NaN.
+        finite_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        probs = torch.exp(scores - finite_max)
+        row_sum = probs.sum(dim=-1, keepdim=True)
+        safe_sum = torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
+        block_out = torch.matmul(probs, v_acc) / safe_sum
+        block_lse = (finite_max + torch.log(row_sum)).squeeze(-1)
+        out[:, :, rows] = block_out.flatten(1, 2).to(out.dtype)
+        lse[:, :, rows] = block_lse.flatten(1, 2).to(lse.dtype)
+
+
+def attention_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Optional[Tensor],
+    scale: float,
+    is_causal: bool,
+    compute_mask_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Gradients of out w.r.t. q, k, v (and the mask when asked), recomputing P from the LSE."""
+    b, hq, sq, _ = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    shape = (b, hq, sq, sk)
+    acc = _accumulation_dtype(q.dtype)
+    k_acc = k.to(acc).unsqueeze(2)
+    v_acc = v.to(acc).unsqueeze(2)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros((b, hkv, hq // hkv, sk, k.shape[-1]), dtype=acc, device=q.device)
+    dv = torch.zeros((b, hkv, hq // hkv, sk, v.shape[-1]), dtype=acc, device=q.device)
+    dmask = torch.zeros(shape, dtype=acc, device=q.device) if compute_mask_grad else None
+    # rowsum(dO * O): the softmax Jacobian's correction term.
+    delta = (grad_out.to(acc) * out.to(acc)).sum(-1)
+    for rows in _query_blocks(b, hq, sq, sk):
+        scores = _block_scores(q, k, attn_mask, scale, is_causal, rows, shape, hkv, acc)
+        block_lse = _group_view(lse[:, :, rows].unsqueeze(-1).to(acc), hkv)
+        probs = torch.exp(scores - torch.where(torch.isfinite(block_lse), block_lse, torch.zeros_like(block_lse)))
+        probs = torch.where(torch.isfinite(block_lse), probs, torch.zeros_like(probs))
+        d_out = _group_view(grad_out[:, :, rows].to(acc), hkv)
+        dv += torch.matmul(probs.transpose(-1, -2), d_out)
+        d_probs = torch.matmul(d_out, v_acc.transpose(-1, -2))
+        d_scores = probs * (d_probs - _group_view(delta[:, :, rows].unsqueeze(-1), hkv))
+        if dmask is not None:
+            dmask[:, :, rows] = d_scores.flatten(1, 2)
+        dq[:, :, rows] = torch.matmul(d_scores, k_acc).flatten(1, 2) * scale
+        dk += torch.matmul(d_scores.transpose(-1, -2), _group_view(q[:, :, rows].to(acc), hkv)) * scale
+    grads = (dq.to(q.dtype), dk.sum(2).to(k.dtype), dv.sum(2).to(v.dtype))
+    if dmask is not None:
+        dmask = _reduce_to_shape(dmask, attn_mask.shape).to(attn_mask.dtype)
+    return (*grads, dmask)
+
+
+def _reduce_to_shape(grad: Tensor, shape: torch.Size) -> Tensor:
+    """Sums a [B, Hq, Sq, Sk] gradient over the dimensions the mask was broadcast along."""
+    extra = grad.dim() - len(shape)
+    grad = grad.sum(dim=tuple(range(extra))) if extra > 0 else grad
+    dims = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    return grad.sum(dim=dims, keepdim=True) if dims else grad
+
+
+def attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """(out, lse) computed by the reference path, for tests and examples."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out, lse = empty_outputs(q, v)
+    attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse)
+    return out, lse

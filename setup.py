@@ -1,0 +1,138 @@
+"""Build script: pure Python by default, plus the Hopper kernel extension when asked or possible.
+
+FA2_INDUCTOR_BUILD_CUDA=auto (default) builds fa2_inductor._C only when torch is importable, has CUDA,
+and nvcc is found; 0 never builds it; 1 must build it. torch is imported only when a CUDA build is
+considered, so a CPU install needs nothing but setuptools.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+INSTANTIATIONS = ROOT / "csrc" / "instantiations"
+DEFAULT_HEAD_DIMS = "64,128,256"
+DEFAULT_DTYPES = "bf16,fp16"
+# A CUTLASS translation unit can take a few GiB in nvcc; keep parallel jobs within memory.
+GIB_PER_COMPILE_JOB = 4
+
+
+def _env_list(name: str, default: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
+
+
+def _build_mode() -> str:
+    mode = os.environ.get("FA2_INDUCTOR_BUILD_CUDA", "auto").lower()
+    if mode not in ("auto", "0", "1"):
+        sys.exit(f"FA2_INDUCTOR_BUILD_CUDA must be auto, 0 or 1, got {mode!r}")
+    return mode
+
+
+def _cuda_build_blocker() -> str | None:
+    """Why a CUDA build cannot happen here, or None when it can."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not importable in the build environment (use --no-build-isolation)"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} has no CUDA"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None and shutil.which("nvcc") is None:
+        return "nvcc was not found (set CUDA_HOME)"
+    return None
+
+
+def cutlass_include_dirs() -> list[str]:
+    """CUTLASS_DIR, else cutlass/include in this repo, else the PyPI package nvidia-cutlass."""
+    candidates = []
+    if os.environ.get("CUTLASS_DIR"):
+        candidates.append(Path(os.environ["CUTLASS_DIR"]) / "include")
+    candidates.append(ROOT / "cutlass" / "include")
+    try:
+        import cutlass_library
+
+        candidates.append(Path(cutlass_library.__file__).parent / "source" / "include")
+    except ImportError:
+        pass
+    for include in candidates:
+        if (include / "cute" / "tensor.hpp").is_file():
+            util = include.parent / "tools" / "util" / "include"
+            return [str(include)] + ([str(util)] if util.is_dir() else [])
+    sys.exit(
+        "CUTLASS headers not found. Looked in: $CUTLASS_DIR/include, cutlass/include, and the PyPI "
+        "package nvidia-cutlass==4.2.0.0 (pip install nvidia-cutlass==4.2.0.0). See cutlass/README.md."
+    )
+
+
+def selected_instantiations() -> tuple[list[str], list[str]]:
+    """(sources, defines) for the kernel instantiations chosen by FA2_INDUCTOR_HEAD_DIMS / _DTYPES."""
+    head_dims = set(_env_list("FA2_INDUCTOR_HEAD_DIMS", DEFAULT_HEAD_DIMS))
+    dtypes = set(_env_list("FA2_INDUCTOR_DTYPES", DEFAULT_DTYPES))
+    sources, defines = [], set()
+    for path in sorted(INSTANTIATIONS.glob("fwd_hdim*_*.cu")):
+        match = re.match(r"fwd_hdim(\d+)_([a-z0-9]+)", path.stem)
+        if match and match[1] in head_dims and match[2] in dtypes:
+            sources.append(str(path.relative_to(ROOT)))
+            defines.add(f"-DFA2_INDUCTOR_KERNEL_HDIM{match[1]}_{match[2].upper()}")
+    if not sources:
+        sys.exit(f"No kernel instantiation matches head dims {sorted(head_dims)} and dtypes {sorted(dtypes)}")
+    return sources, sorted(defines)
+
+
+def _bound_max_jobs() -> None:
+    if "MAX_JOBS" in os.environ:
+        return
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem_gib = 8
+    os.environ["MAX_JOBS"] = str(max(1, min(os.cpu_count() or 1, int(mem_gib // GIB_PER_COMPILE_JOB))))
+
+
+def cuda_extension_kwargs() -> dict:
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    _bound_max_jobs()
+    sources, defines = selected_instantiations()
+    nvcc_flags = [
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "-O3",
+        "-std=c++17",
+        "--expt-relaxed-constexpr",
+        "--expt-extended-lambda",
+        "--use_fast_math",
+        "-Xptxas=-v",
+        "-DNDEBUG",
+        *defines,
+    ]
+    extension = CUDAExtension(
+        name="fa2_inductor._C",
+        sources=["csrc/api.cpp", *sources],
+        include_dirs=[str(ROOT / "csrc"), *cutlass_include_dirs()],
+        extra_compile_args={"cxx": ["-O3", "-std=c++17", *defines], "nvcc": nvcc_flags},
+    )
+    print(f"fa2_inductor: building {len(sources)} kernel instantiations with MAX_JOBS={os.environ['MAX_JOBS']}")
+    return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
+
+
+def extension_kwargs() -> dict:
+    mode = _build_mode()
+    if mode == "0":
+        return {}
+    blocker = _cuda_build_blocker()
+    if blocker is None:
+        return cuda_extension_kwargs()
+    if mode == "1":
+        sys.exit(f"FA2_INDUCTOR_BUILD_CUDA=1 but the CUDA extension cannot be built: {blocker}")
+    print(f"fa2_inductor: installing pure Python ({blocker})")
+    return {}
+
+
+setup(**extension_kwargs())
