@@ -1,0 +1,64 @@
+// Epilogue: normalise O, stage it through shared memory (stmatrix), store it with one TMA
+// copy (rows past seqlen_q are clipped by the tensor map), and write the LSE rows.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "mainloop_sm90.hpp"
+
+namespace fa2 {
+
+using namespace cute;
+
+// Named barrier ids (offset past CUTLASS's reserved ones by NamedBarrier itself).
+enum : int { kBarrierEpilogue = 0 };
+
+template <class Traits, class FragO>
+CUTE_DEVICE void epilogue_store(const KernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
+                                FragO& tOrO, const float (&lse)[2], int tid, int m_block, int head,
+                                int batch) {
+  using T = Traits;
+  using Element = typename T::Element;
+  typename T::TiledMmaPV mma_pv;
+
+  // Each warpgroup writes only the O rows it computed, i.e. the Q rows only its own (already
+  // completed) S GEMMs read, so reusing the Q buffer needs no barrier before these stores.
+  Tensor sO = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutO{});
+  Tensor rO = make_tensor_like<Element>(tOrO);
+  convert_pairs(rO, tOrO);
+  auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
+  auto thr_copy = smem_copy.get_thread_slice(tid);
+  Tensor tRrO = thr_copy.retile_S(rO);
+  Tensor tRsO = thr_copy.partition_D(sO);
+  copy(smem_copy, tRrO, tRsO);
+  cutlass::arch::fence_view_async_shared();  // make st.shared visible to the TMA engine
+  cutlass::arch::NamedBarrier::sync(T::kConsumerThreads, kBarrierEpilogue);
+
+  if (tid == 0) {
+    Tensor mO = args.tma_o.get_tma_tensor(args.shape_q);
+    Tensor gO = local_tile(mO(_, _, head, batch), Shape<typename T::TileM, typename T::TileD>{},
+                           make_coord(m_block, _0{}));
+    auto thr_tma = args.tma_o.get_slice(_0{});
+    copy(args.tma_o, thr_tma.partition_S(sO), thr_tma.partition_D(gO));
+    tma_store_arrive();
+  }
+
+  // LSE: the thread holding column pair 0 of each quad writes its two rows.
+  typename T::TiledMmaQK mma_qk;
+  Tensor cS = make_identity_tensor(Shape<typename T::TileM, typename T::TileN>{});
+  Tensor tScS = mma_qk.get_thread_slice(tid).partition_C(cS);
+  Tensor c_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+  if (tid % 4 == 0) {
+    float* lse_ptr = args.lse + batch * args.lse_batch_stride + head * args.lse_head_stride;
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int row = m_block * T::kBlockM + get<0>(c_rc(r, 0));
+      if (row < args.seqlen_q) lse_ptr[row] = lse[r];
+    }
+  }
+  if (tid == 0) tma_store_wait<0>();  // keep shared memory alive until the store has read it
+}
+
+}  // namespace fa2

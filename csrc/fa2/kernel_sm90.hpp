@@ -1,0 +1,79 @@
+// The Hopper forward kernel: one CTA per (query tile, head, batch).
+// Warpgroup 0 is the producer (one thread issues TMA); warpgroups 1.. are consumers, each
+// owning 64 query rows of the tile.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "mainloop_sm90.hpp"
+#include "epilogue_sm90.hpp"
+#include "softmax.hpp"
+
+namespace fa2 {
+
+using namespace cute;
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+fwd_kernel_sm90(CUTE_GRID_CONSTANT const KernelArgs<Traits> args) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using T = Traits;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
+
+  const int warp_idx = cutlass::canonical_warp_idx_sync();
+  const int warp_group = cutlass::canonical_warp_group_idx();
+
+  if (threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(args.tma_o.get_tma_descriptor());
+    reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q)->init(1);
+  }
+
+  typename T::Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = T::kBytesKV;
+  pipe_params.role = warp_group == 0 ? T::Pipeline::ThreadCategory::Producer
+                                     : T::Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = T::kConsumerThreads;
+  typename T::Pipeline pipe_k(smem.pipe_k, pipe_params, Shape<_1, _1, _1>{});
+  typename T::Pipeline pipe_v(smem.pipe_v, pipe_params, Shape<_1, _1, _1>{});
+  __syncthreads();  // barrier initialisation visible to every thread
+
+  const int num_m_blocks = gridDim.x;
+  // Causal tiles differ in cost: launch the most expensive (last) query tiles first.
+  const int m_block = T::kCausal ? num_m_blocks - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int n_blocks = num_key_blocks<T>(m_block * T::kBlockM, args.seqlen_k);
+  (void)warp_idx;
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
+    if (threadIdx.x == 0 && n_blocks > 0) {
+      producer_load<T>(args, smem, pipe_k, pipe_v, m_block, head, batch, n_blocks);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+    const int tid = threadIdx.x - 128;
+    typename T::TiledMmaPV mma_pv;
+    Tensor tOrO = partition_fragment_C(mma_pv, Shape<typename T::TileM, typename T::TileD>{});
+    clear(tOrO);
+    OnlineSoftmax<2> softmax(args.scale);
+    if (n_blocks > 0) {
+      consumer_mainloop<T>(args, smem, pipe_k, pipe_v, tOrO, softmax, tid, m_block, n_blocks);
+    } else {
+      // No key at all: O = 0 and LSE = -inf. Q was never loaded, nothing to wait for.
+    }
+    float lse[2];
+    Tensor o_rc = as_rowcol(tOrO);
+    softmax.finalize(o_rc, lse, args.scale);
+    epilogue_store<T>(args, smem, tOrO, lse, tid, m_block, head, batch);
+  }
+#endif
+}
+
+}  // namespace fa2

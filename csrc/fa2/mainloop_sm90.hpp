@@ -1,0 +1,288 @@
+// Mainloop of the Hopper forward kernel: the type bundle (shared-memory layouts, TMA copies,
+// WGMMA tiled MMAs), the producer that streams Q/K/V through TMA and the consumer that runs
+// S = Q.K^T (SS-WGMMA) and O += P.V (RS-WGMMA, P straight from registers).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/copy_atom.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "params.h"
+#include "tile_config.h"
+#include "mask.hpp"
+#include "softmax.hpp"
+
+namespace fa2 {
+
+using namespace cute;
+
+template <DType Dt> struct ElementOf;
+template <> struct ElementOf<DType::kBF16> { using type = cutlass::bfloat16_t; };
+template <> struct ElementOf<DType::kFP16> { using type = cutlass::half_t; };
+
+template <int HeadDim_, DType Dt, bool Causal_>
+struct KernelTraits {
+  using Element = typename ElementOf<Dt>::type;
+  using Config = TileConfig<HeadDim_, Causal_>;
+  static constexpr int kHeadDim = HeadDim_;
+  static constexpr int kBlockM = Config::kBlockM;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kStages = Config::kStages;
+  static constexpr bool kCausal = Causal_;
+  static_assert(kHeadDim % 64 == 0, "head dim must fill 128-byte swizzle rows");
+  static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0);
+
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kThreads = 128 + kConsumerThreads;  // one producer warpgroup
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 240 : 160;
+
+  using TileM = Int<kBlockM>;
+  using TileN = Int<kBlockN>;
+  using TileD = Int<kHeadDim>;
+  using TileShapeQK = Shape<TileM, TileN, TileD>;  // (M, N, K) of S = Q.K^T
+  using TileShapePV = Shape<TileM, TileD, TileN>;  // (M, N, K) of O = P.V
+  using AtomLayout = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, TileShapeQK>(), AtomLayout{}));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayout{}));
+
+  // All tiles keep the head dim contiguous in 128-byte swizzled rows.
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<TileM, TileD>{}));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<TileN, TileD, Int<kStages>>{}));
+  using SmemLayoutV = SmemLayoutK;
+  // V seen as the (D, N) B operand of P.V: head dim is the MN-major (contiguous) mode.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutV{}, make_ordered_layout(Shape<TileD, TileN, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutO = SmemLayoutQ;  // O is staged in the Q buffer once Q is no longer read
+
+  // Global views: (seq, head_dim, head, batch) with runtime strides, head dim contiguous.
+  using GShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GLayout = Layout<GShape, GStride>;
+
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GLayout{}),
+      SmemLayoutQ{}, Shape<TileM, TileD>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GLayout{}),
+      take<0, 2>(SmemLayoutK{}), Shape<TileN, TileD>{}, _1{}));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{},
+      make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GLayout{}),
+      SmemLayoutO{}, Shape<TileM, TileD>{}, _1{}));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;  // also O in the epilogue
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+    typename Pipeline::SharedStorage pipe_k;
+    typename Pipeline::SharedStorage pipe_v;
+    alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_q;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "tile config exceeds shared memory");
+};
+
+// Everything the kernel needs, passed by value as a __grid_constant__ parameter.
+template <class Traits>
+struct KernelArgs {
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaKV tma_v;
+  typename Traits::TmaO tma_o;
+  typename Traits::GShape shape_q;   // (Sq, D, Hq, B)
+  typename Traits::GShape shape_kv;  // (Sk, D, Hkv, B)
+  float* lse;
+  int64_t lse_batch_stride, lse_head_stride;
+  int seqlen_q, seqlen_k, head_ratio;  // head_ratio = Hq / Hkv
+  float scale;
+};
+
+// Number of key blocks the query tile starting at m0 must visit.
+template <class Traits>
+CUTE_DEVICE int num_key_blocks(int m0, int seqlen_k) {
+  int visible = seqlen_k;
+  if constexpr (Traits::kCausal) visible = min(seqlen_k, m0 + Traits::kBlockM);
+  return (visible + Traits::kBlockN - 1) / Traits::kBlockN;
+}
+
+// Producer: one thread issues every TMA copy; K and V of a block go to the same stage of two
+// pipelines so that S = Q.K^T can start while V is still in flight.
+template <class Traits>
+CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
+                               typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
+                               int m_block, int head, int batch, int n_blocks) {
+  using T = Traits;
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutV{});
+
+  const int head_kv = head / args.head_ratio;  // GQA/MQA: map the head, never copy K/V
+  Tensor mQ = args.tma_q.get_tma_tensor(args.shape_q);
+  Tensor mK = args.tma_k.get_tma_tensor(args.shape_kv);
+  Tensor mV = args.tma_v.get_tma_tensor(args.shape_kv);
+  Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<typename T::TileM, typename T::TileD>{},
+                         make_coord(m_block, _0{}));
+  Tensor gK = local_tile(mK(_, _, head_kv, batch), Shape<typename T::TileN, typename T::TileD>{},
+                         make_coord(_, _0{}));  // (N, D, n_blocks)
+  Tensor gV = local_tile(mV(_, _, head_kv, batch), Shape<typename T::TileN, typename T::TileD>{},
+                         make_coord(_, _0{}));
+
+  auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                    group_modes<0, 2>(gQ));
+  auto [tKgK, tKsK] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                    group_modes<0, 2>(gK));
+  auto [tVgV, tVsV] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                    group_modes<0, 2>(gV));
+
+  auto& bar_q = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q);
+  typename T::PipelineState write = cutlass::make_producer_start_state<typename T::Pipeline>();
+
+  // K of the first block, then Q, then V: the first S GEMM needs only Q and K.
+  int n = n_blocks - 1;
+  pipe_k.producer_acquire(write);
+  copy(args.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, n), tKsK(_, write.index()));
+  bar_q.arrive_and_expect_tx(T::kBytesQ);
+  copy(args.tma_q.with(smem.barrier_q, 0), tQgQ, tQsQ);
+  pipe_v.producer_acquire(write);
+  copy(args.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, n), tVsV(_, write.index()));
+  ++write;
+  for (n = n_blocks - 2; n >= 0; --n) {
+    pipe_k.producer_acquire(write);
+    copy(args.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, n), tKsK(_, write.index()));
+    pipe_v.producer_acquire(write);
+    copy(args.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, n), tVsV(_, write.index()));
+    ++write;
+  }
+}
+
+// One warpgroup-wide GEMM: issue, commit, optionally wait until at most kWait groups remain.
+template <bool kZeroInit, int kWait, bool kRegA, class TiledMma, class TA, class TB, class TC>
+CUTE_DEVICE void wg_gemm(TiledMma& mma, TA& tA, TB const& tB, TC& tC) {
+  if constexpr (kRegA) warpgroup_fence_operand(tA);
+  warpgroup_fence_operand(tC);
+  warpgroup_arrive();
+  mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(tA); ++k) {
+    cute::gemm(mma, tA(_, _, k), tB(_, _, k), tC);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
+  warpgroup_fence_operand(tC);
+  if constexpr (kRegA) warpgroup_fence_operand(tA);
+}
+
+// fp32 -> 16-bit, two at a time (packed cvt).
+template <class TensorD, class TensorS>
+CUTE_DEVICE void convert_pairs(TensorD& d, TensorS const& s) {
+  using To = typename TensorD::value_type;
+  static_assert(decltype(size(s))::value % 2 == 0);
+  cutlass::NumericArrayConverter<To, float, 2, cutlass::FloatRoundStyle::round_to_nearest> conv;
+  CUTE_UNROLL
+  for (int i = 0; i < size(s); i += 2) {
+    cutlass::Array<float, 2> in;
+    in[0] = s(i);
+    in[1] = s(i + 1);
+    cutlass::Array<To, 2> out = conv(in);
+    d(i) = out[0];
+    d(i + 1) = out[1];
+  }
+}
+
+// Consumer: the full key loop for this thread's rows. Software-pipelined inside the warpgroup:
+// S for block j+1 is issued before P.V of block j, so the softmax of j+1 overlaps the P.V GEMM.
+// On return tOrO holds the unnormalised O and `softmax` its running statistics.
+template <class Traits, class FragO, class Softmax>
+CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
+                                   typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
+                                   FragO& tOrO, Softmax& softmax, int tid, int m_block, int n_blocks) {
+  using T = Traits;
+  using Element = typename T::Element;
+  typename T::TiledMmaQK mma_qk;
+  typename T::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutVt{});
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // smem descriptors
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, N, K, stages)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, D, N, stages)
+
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<typename T::TileM, typename T::TileN>{});
+  Tensor rP = make_tensor_like<Element>(tSrS);
+  Tensor tOrP = make_tensor(rP.data(), acc_to_a_operand_layout(rP.layout()));
+  Tensor cS = make_identity_tensor(Shape<typename T::TileM, typename T::TileN>{});
+  Tensor tScS = thr_qk.partition_C(cS);
+  Tensor s_rc = as_rowcol(tSrS);
+  Tensor c_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+  Tensor o_rc = as_rowcol(tOrO);
+  constexpr int kRows = decltype(size<0>(s_rc))::value;
+  float correction[kRows];
+
+  const int m0 = m_block * T::kBlockM;
+  typename T::PipelineState read;  // stage 0, phase 0
+
+  auto& bar_q = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q);
+
+  // First (highest) key block: always masked when needed, no rescale.
+  int n = n_blocks - 1;
+  pipe_k.consumer_wait(read);
+  bar_q.wait(0);
+  wg_gemm<true, 0, false>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+  pipe_k.consumer_release(read);
+  if (block_needs_mask<T::kCausal, T::kBlockN>(n, m0, args.seqlen_k)) {
+    apply_mask<T::kCausal>(s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k);
+  }
+  softmax.template update<true>(s_rc, correction);
+  convert_pairs(rP, tSrS);
+
+  typename T::PipelineState read_v = read;
+  ++read;
+  for (n = n_blocks - 2; n >= 0; --n) {
+    pipe_k.consumer_wait(read);
+    wg_gemm<true, -1, false>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+    pipe_v.consumer_wait(read_v);
+    wg_gemm<false, -1, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+    warpgroup_wait<1>();  // S of block n is ready; P.V of the previous block may still run
+    warpgroup_fence_operand(tSrS);
+    pipe_k.consumer_release(read);
+    if (block_needs_mask<T::kCausal, T::kBlockN>(n, m0, args.seqlen_k)) {
+      apply_mask<T::kCausal>(s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k);
+    }
+    softmax.template update<false>(s_rc, correction);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    pipe_v.consumer_release(read_v);
+    softmax.rescale(o_rc, correction);
+    convert_pairs(rP, tSrS);
+    read_v = read;
+    ++read;
+  }
+  pipe_v.consumer_wait(read_v);
+  wg_gemm<false, 0, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+  pipe_v.consumer_release(read_v);
+}
+
+}  // namespace fa2

@@ -1,0 +1,115 @@
+// Online softmax over the QK^T accumulator, kept entirely in registers.
+//
+// Each thread of a consumer warpgroup owns two rows of the 64-row slice of S; a row is
+// spread over the four threads of a quad, so row reductions finish with two xor-shuffles.
+#pragma once
+#include <cmath>
+#include <cute/tensor.hpp>
+
+namespace fa2 {
+
+using namespace cute;
+
+// View a GMMA accumulator fragment ((2, 2, V), MMA_M, MMA_N) as (rows, cols):
+// rows = (row-half, MMA_M), cols = (column pair, 8-column groups, MMA_N).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_rowcol_layout(Layout l) {
+  static_assert(decltype(rank(l))::value == 3);
+  static_assert(decltype(rank(get<0>(l)))::value == 3);
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)),
+                     make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+template <class Engine, class Layout>
+CUTE_DEVICE auto as_rowcol(Tensor<Engine, Layout>& t) {
+  return make_tensor(t.data(), acc_rowcol_layout(t.layout()));
+}
+
+// Re-read an fp32 GMMA accumulator layout ((2, 2, N/8), M, 1) as the register A operand of a
+// 16-bit k16 GMMA: ((2, 2, 2), M, N/16). Two adjacent 8-column groups form one k16 slice.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_to_a_operand_layout(Layout l) {
+  auto split = logical_divide(get<0, 2>(l), Tile<_2>{});  // ((2, N/16))
+  return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(split)),
+                     get<1>(l),
+                     coalesce(make_layout(get<0, 1>(split), get<2>(l))));
+}
+
+CUTE_DEVICE float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+  return x;
+}
+CUTE_DEVICE float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  x += __shfl_xor_sync(0xffffffff, x, 2);
+  return x;
+}
+
+template <int kRows>
+struct OnlineSoftmax {
+  float row_max[kRows];  // running max of raw scores (before scaling), -inf when none seen
+  float row_sum[kRows];  // per-thread partial sum of exp; reduced over the quad at the end
+  float scale_log2;      // softmax scale * log2(e)
+
+  CUTE_DEVICE explicit OnlineSoftmax(float scale) : scale_log2(scale * float(M_LOG2E)) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
+  }
+
+  // Turns S (raw scores, masked entries -inf) into unnormalised P in place and returns, in
+  // `correction`, the factor by which the running O must be rescaled.
+  template <bool kFirst, class TensorS>
+  CUTE_DEVICE void update(TensorS& s_rc, float (&correction)[kRows]) {
+    static_assert(decltype(size<0>(s_rc))::value == kRows);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float m = kFirst ? -INFINITY : row_max[r];
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s_rc); ++c) m = fmaxf(m, s_rc(r, c));
+      m = quad_max(m);
+      // A row with nothing visible yet keeps max -inf; use 0 as the offset so exp2 gives 0.
+      const float m_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
+      if constexpr (kFirst) {
+        correction[r] = 1.f;
+      } else {
+        correction[r] = exp2f(row_max[r] * scale_log2 - m_scaled);
+      }
+      row_max[r] = m;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s_rc); ++c) {
+        const float p = exp2f(s_rc(r, c) * scale_log2 - m_scaled);
+        s_rc(r, c) = p;
+        sum += p;
+      }
+      row_sum[r] = kFirst ? sum : row_sum[r] * correction[r] + sum;
+    }
+  }
+
+  template <class TensorO>
+  CUTE_DEVICE void rescale(TensorO& o_rc, const float (&correction)[kRows]) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= correction[r];
+    }
+  }
+
+  // Normalises O by the row sums and returns the natural-log LSE per row
+  // (-inf and O = 0 for rows that saw no key).
+  template <class TensorO>
+  CUTE_DEVICE void finalize(TensorO& o_rc, float (&lse)[kRows], float scale) {
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = quad_sum(row_sum[r]);
+      const bool empty = !(sum > 0.f);
+      const float inv = empty ? 0.f : 1.f / sum;
+      lse[r] = empty ? -INFINITY : row_max[r] * scale + logf(sum);
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv;
+    }
+  }
+};
+
+}  // namespace fa2

@@ -1,0 +1,34 @@
+// Tile sizes, pipeline depth and warpgroup counts per (head dim, causal).
+#pragma once
+
+namespace fa2 {
+
+// kBlockM: query rows per CTA (64 per consumer warpgroup).
+// kBlockN: key rows per pipeline stage.  kStages: K/V shared-memory stages.
+template <int HeadDim, bool Causal>
+struct TileConfig;
+
+#ifndef FA2_TILE_N_HDIM64
+#define FA2_TILE_N_HDIM64 128
+#endif
+#ifndef FA2_TILE_N_HDIM128
+#define FA2_TILE_N_HDIM128 128
+#endif
+#ifndef FA2_TILE_N_HDIM256
+#define FA2_TILE_N_HDIM256 64
+#endif
+
+template <bool Causal>
+struct TileConfig<64, Causal> {
+  static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM64, kStages = 3;
+};
+template <bool Causal>
+struct TileConfig<128, Causal> {
+  static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM128, kStages = 2;
+};
+template <bool Causal>
+struct TileConfig<256, Causal> {
+  static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM256, kStages = 2;
+};
+
+}  // namespace fa2
