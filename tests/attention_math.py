@@ -1,0 +1,27 @@
+"""The textbook float64 attention the tests compare against: dense, K/V repeated, no tricks."""
+
+from __future__ import annotations
+
+import torch
+
+
+def dense_attention_f64(q, k, v, attn_mask=None, scale=None, is_causal=False):
+    """(out, lse) in float64; rows with no visible key give out = 0, lse = -inf."""
+    q, k, v = (t.to(torch.float64) for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = q @ k.transpose(-1, -2) * scale
+    if is_causal:
+        visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(torch.float64)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float64).min))
+    probs = torch.nan_to_num(probs, nan=0.0)
+    return probs @ v, lse
