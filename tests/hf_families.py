@@ -1,0 +1,227 @@
+"""Tiny Hugging Face models, one per family, built from configs in code (nothing is downloaded).
+
+Each family knows how to build its model for an attention implementation, how to make inputs, and how
+many attention sites one forward pass has (computed from the config), so tests, the graph-dump script
+and the GPU tests share one table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+VOCAB = 128
+HIDDEN = 64
+HEADS = 4
+LAYERS = 2
+BATCH = 2
+SEQ = 12
+ENCODER_SEQ = 16
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    make_config: Callable[[], object]
+    model_class: str  # transformers class name
+    make_inputs: Callable[[object, torch.device], dict]
+    count_attention_sites: Callable[[object], int]
+    # Why the pass must refuse this family's attention sites; None when they must all be rewritten.
+    refusal: str | None = None
+    tags: frozenset = field(default_factory=frozenset)
+
+    def build(self, attn_implementation: str, dtype=torch.float32, device="cpu", seed=0):
+        import transformers
+
+        torch.manual_seed(seed)
+        config = self.make_config()
+        model_cls = getattr(transformers, self.model_class)
+        model = model_cls._from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+        return model.to(device).eval()
+
+
+def _padding_mask(batch: int, seq: int, device) -> torch.Tensor:
+    """Row 0 is full, row 1 has its last quarter padded (right padding, as in training batches)."""
+    mask = torch.ones(batch, seq, dtype=torch.long, device=device)
+    mask[1, seq - seq // 4 :] = 0
+    return mask
+
+
+def _token_ids(batch: int, seq: int, device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(3, VOCAB, (batch, seq), generator=gen).to(device)
+
+
+def _decoder_inputs(config, device) -> dict:
+    return {"input_ids": _token_ids(BATCH, SEQ, device), "attention_mask": _padding_mask(BATCH, SEQ, device)}
+
+
+def _encoder_decoder_inputs(config, device) -> dict:
+    return {
+        "input_ids": _token_ids(BATCH, ENCODER_SEQ, device),
+        "attention_mask": _padding_mask(BATCH, ENCODER_SEQ, device),
+        "decoder_input_ids": _token_ids(BATCH, SEQ, device),
+    }
+
+
+def _image_inputs(config, device) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    shape = (BATCH, config.num_channels, config.image_size, config.image_size)
+    return {"pixel_values": torch.randn(shape, generator=gen).to(device)}
+
+
+def _decoder_sites(config) -> int:
+    return config.num_hidden_layers
+
+
+def _encoder_decoder_sites(config) -> int:
+    # Encoder self-attention, decoder self-attention and decoder cross-attention per layer.
+    return config.encoder_layers + 2 * config.decoder_layers
+
+
+def _t5_sites(config) -> int:
+    return config.num_layers + 2 * config.num_decoder_layers
+
+
+def _llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, max_position_embeddings=64,
+    )
+
+
+def _mistral_config():
+    from transformers import MistralConfig
+
+    # sliding_window < SEQ so the sliding-window mask really cuts keys.
+    return MistralConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, max_position_embeddings=64,
+        sliding_window=SEQ // 2,
+    )
+
+
+def _qwen2_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=1, max_position_embeddings=64,
+    )
+
+
+def _gpt2_config():
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64,
+        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,
+    )
+
+
+def _bert_config():
+    from transformers import BertConfig
+
+    return BertConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, max_position_embeddings=64,
+    )
+
+
+def _vit_config():
+    from transformers import ViTConfig
+
+    return ViTConfig(
+        image_size=32, patch_size=8, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+    )
+
+
+def _t5_config():
+    from transformers import T5Config
+
+    return T5Config(
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=2 * HIDDEN, num_layers=LAYERS,
+        num_decoder_layers=LAYERS, num_heads=HEADS, relative_attention_num_buckets=8,
+        decoder_start_token_id=0, pad_token_id=0,
+    )
+
+
+def _bart_config():
+    from transformers import BartConfig
+
+    return BartConfig(
+        vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS,
+        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=2 * HIDDEN,
+        decoder_ffn_dim=2 * HIDDEN, max_position_embeddings=64,
+    )
+
+
+def _gpt_neox_config():
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, max_position_embeddings=64, rotary_pct=0.25,
+    )
+
+
+def _phi_config():
+    from transformers import PhiConfig
+
+    return PhiConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, max_position_embeddings=64, partial_rotary_factor=0.5,
+    )
+
+
+def _gemma_config():
+    from transformers import GemmaConfig
+
+    return GemmaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=1, head_dim=HIDDEN // HEADS, max_position_embeddings=64,
+    )
+
+
+def _gemma2_config():
+    from transformers import Gemma2Config
+
+    return Gemma2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=2, head_dim=HIDDEN // HEADS, max_position_embeddings=64,
+        sliding_window=SEQ // 2, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+    )
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("llama", _llama_config, "LlamaForCausalLM", _decoder_inputs, _decoder_sites, tags=frozenset({"gqa"})),
+        Family("mistral", _mistral_config, "MistralForCausalLM", _decoder_inputs, _decoder_sites,
+               tags=frozenset({"gqa", "sliding_window"})),
+        Family("qwen2", _qwen2_config, "Qwen2ForCausalLM", _decoder_inputs, _decoder_sites, tags=frozenset({"mqa"})),
+        Family("gpt2", _gpt2_config, "GPT2LMHeadModel", _decoder_inputs, lambda c: c.n_layer),
+        Family("bert", _bert_config, "BertModel", _decoder_inputs, _decoder_sites, tags=frozenset({"encoder"})),
+        Family("vit", _vit_config, "ViTModel", _image_inputs, _decoder_sites, tags=frozenset({"encoder"})),
+        Family("t5", _t5_config, "T5ForConditionalGeneration", _encoder_decoder_inputs, _t5_sites,
+               tags=frozenset({"position_bias", "cross_attention"})),
+        Family("bart", _bart_config, "BartForConditionalGeneration", _encoder_decoder_inputs, _encoder_decoder_sites,
+               tags=frozenset({"cross_attention"})),
+        Family("gpt_neox", _gpt_neox_config, "GPTNeoXForCausalLM", _decoder_inputs, _decoder_sites),
+        Family("phi", _phi_config, "PhiForCausalLM", _decoder_inputs, _decoder_sites),
+        Family("gemma", _gemma_config, "GemmaForCausalLM", _decoder_inputs, _decoder_sites, tags=frozenset({"mqa"})),
+        Family("gemma2", _gemma2_config, "Gemma2ForCausalLM", _decoder_inputs, _decoder_sites,
+               refusal="softcap", tags=frozenset({"gqa", "sliding_window", "softcap"})),
+    )
+}
+
+
+def model_output(output) -> torch.Tensor:
+    """The tensor a family's forward returns for comparison: logits, or the last hidden state."""
+    logits = getattr(output, "logits", None)
+    return logits if logits is not None else output.last_hidden_state
