@@ -42,7 +42,7 @@ struct KernelTraits {
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;  // one producer warpgroup
-  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? 24 : 32;
+  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? 32 : 40;
   static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 240 : 160;
 
   using TileM = Int<kBlockM>;

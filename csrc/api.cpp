@@ -1,0 +1,164 @@
+// Python binding of the Hopper forward kernel: fa2_inductor._C.
+// The only file that includes torch. Python owns the op schema; this module registers none.
+// fwd() checks its arguments, fills fa2::FwdParams and launches on the current stream: no
+// allocation, no synchronisation, so it can run inside CUDA graph capture.
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "fa2/params.h"
+
+namespace {
+
+using RunFn = cudaError_t (*)(const fa2::FwdParams&, cudaStream_t);
+
+struct KernelEntry {
+  int head_dim;
+  fa2::DType dtype;
+  const char* dtype_name;
+  RunFn run[2];  // [causal]
+};
+
+#define FA2_ENTRY(D, DT, NAME) \
+  KernelEntry{D, fa2::DType::DT, NAME, {&fa2::run_fwd<D, fa2::DType::DT, false>, &fa2::run_fwd<D, fa2::DType::DT, true>}},
+
+const std::vector<KernelEntry>& kernel_table() {
+  static const std::vector<KernelEntry> table = {
+#ifdef FA2_INDUCTOR_KERNEL_HDIM64_BF16
+      FA2_ENTRY(64, kBF16, "bf16")
+#endif
+#ifdef FA2_INDUCTOR_KERNEL_HDIM64_FP16
+      FA2_ENTRY(64, kFP16, "fp16")
+#endif
+#ifdef FA2_INDUCTOR_KERNEL_HDIM128_BF16
+      FA2_ENTRY(128, kBF16, "bf16")
+#endif
+#ifdef FA2_INDUCTOR_KERNEL_HDIM128_FP16
+      FA2_ENTRY(128, kFP16, "fp16")
+#endif
+#ifdef FA2_INDUCTOR_KERNEL_HDIM256_BF16
+      FA2_ENTRY(256, kBF16, "bf16")
+#endif
+#ifdef FA2_INDUCTOR_KERNEL_HDIM256_FP16
+      FA2_ENTRY(256, kFP16, "fp16")
+#endif
+  };
+  return table;
+}
+
+const KernelEntry* find_kernel(int head_dim, fa2::DType dtype) {
+  for (const auto& e : kernel_table()) {
+    if (e.head_dim == head_dim && e.dtype == dtype) return &e;
+  }
+  return nullptr;
+}
+
+void check_operand(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK(t.is_cuda(), "fa2_inductor._C.fwd: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.device() == q.device(), "fa2_inductor._C.fwd: ", name, " is on another device than q");
+  TORCH_CHECK(t.dim() == 4, "fa2_inductor._C.fwd: ", name, " must be 4-D");
+  TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1, "fa2_inductor._C.fwd: ", name, " must have a contiguous last dim");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+              "fa2_inductor._C.fwd: ", name, " must be 16-byte aligned");
+}
+
+// TMA needs strides that are multiples of 16 bytes (8 elements); a dimension of size 1 is never
+// stepped over, so any valid stride will do for it.
+int64_t tma_stride(const at::Tensor& t, int dim, const char* name) {
+  if (t.size(dim) <= 1) return 8;
+  const int64_t s = t.stride(dim);
+  TORCH_CHECK(s > 0 && s % 8 == 0, "fa2_inductor._C.fwd: ", name, " stride ", s, " of dim ", dim,
+              " must be a positive multiple of 8 elements (16 bytes)");
+  return s;
+}
+
+}  // namespace
+
+void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+         double scale, bool is_causal) {
+  check_operand(q, "q", q);
+  check_operand(k, "k", q);
+  check_operand(v, "v", q);
+  check_operand(out, "out", q);
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+                  q.scalar_type() == out.scalar_type(),
+              "fa2_inductor._C.fwd: q, k, v, out must share a dtype");
+  fa2::DType dtype;
+  if (q.scalar_type() == at::kBFloat16) {
+    dtype = fa2::DType::kBF16;
+  } else if (q.scalar_type() == at::kHalf) {
+    dtype = fa2::DType::kFP16;
+  } else {
+    TORCH_CHECK(false, "fa2_inductor._C.fwd: dtype must be bfloat16 or float16, got ", q.scalar_type());
+  }
+  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Sk = k.size(2);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == Sk &&
+                  k.size(3) == D && v.size(3) == D,
+              "fa2_inductor._C.fwd: k/v shapes do not match q");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "fa2_inductor._C.fwd: Hq must be a multiple of Hkv");
+  TORCH_CHECK(out.sizes() == q.sizes(), "fa2_inductor._C.fwd: out must have q's shape");
+  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
+                  lse.dim() == 3 && lse.size(0) == B && lse.size(1) == Hq && lse.size(2) == Sq &&
+                  (lse.stride(2) == 1 || Sq <= 1),
+              "fa2_inductor._C.fwd: lse must be float32 [B, Hq, Sq] with unit row stride");
+  TORCH_CHECK(B <= 65535 && Hq <= 65535, "fa2_inductor._C.fwd: batch and heads must be <= 65535");
+  TORCH_CHECK(Sq < (int64_t(1) << 31) && Sk < (int64_t(1) << 31), "fa2_inductor._C.fwd: sequence too long");
+
+  const KernelEntry* entry = find_kernel(int(D), dtype);
+  TORCH_CHECK(entry != nullptr, "fa2_inductor._C.fwd: no kernel compiled for head dim ", D, " and dtype ",
+              q.scalar_type());
+
+  fa2::FwdParams p;
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.batch = int(B);
+  p.heads_q = int(Hq);
+  p.heads_kv = int(Hkv);
+  p.seqlen_q = int(Sq);
+  p.seqlen_k = int(Sk);
+  p.head_dim = int(D);
+  p.q_batch_stride = tma_stride(q, 0, "q");
+  p.q_head_stride = tma_stride(q, 1, "q");
+  p.q_row_stride = tma_stride(q, 2, "q");
+  p.k_batch_stride = tma_stride(k, 0, "k");
+  p.k_head_stride = tma_stride(k, 1, "k");
+  p.k_row_stride = tma_stride(k, 2, "k");
+  p.v_batch_stride = tma_stride(v, 0, "v");
+  p.v_head_stride = tma_stride(v, 1, "v");
+  p.v_row_stride = tma_stride(v, 2, "v");
+  p.o_batch_stride = tma_stride(out, 0, "out");
+  p.o_head_stride = tma_stride(out, 1, "out");
+  p.o_row_stride = tma_stride(out, 2, "out");
+  p.lse_batch_stride = lse.stride(0);
+  p.lse_head_stride = lse.stride(1);
+  p.scale = float(scale);
+  p.causal = is_causal;
+
+  if (B == 0 || Hq == 0 || Sq == 0) return;
+  c10::cuda::CUDAGuard guard(q.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const cudaError_t err = entry->run[is_causal ? 1 : 0](p, stream);
+  TORCH_CHECK(err == cudaSuccess, "fa2_inductor._C.fwd: kernel launch failed: ", cudaGetErrorString(err));
+}
+
+std::vector<std::tuple<int64_t, std::string>> compiled_kernels() {
+  std::vector<std::tuple<int64_t, std::string>> result;
+  for (const auto& e : kernel_table()) result.emplace_back(e.head_dim, e.dtype_name);
+  return result;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fa2_inductor Hopper (sm_90a) FlashAttention forward kernel";
+  m.def("fwd", &fwd, "Attention forward into preallocated out [B,Hq,Sq,D] and lse [B,Hq,Sq] (float32)",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
+        pybind11::arg("scale"), pybind11::arg("is_causal"));
+  m.def("compiled_kernels", &compiled_kernels, "List of (head_dim, dtype_name) compiled into this build");
+}

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# One device run for the Hopper kernel: install CUTLASS from the carried wheel, build
+# fa2_inductor._C with all cores, run tests/gpu, compute-sanitizer (memcheck + racecheck) on small
+# shapes, and time against SDPA FLASH / cuDNN. Logs go to $OUT (at most 8 files come back).
+#
+#   scripts/device_kernel.sh                     # every stage
+#   STAGES=build,timing scripts/device_kernel.sh # a subset
+#
+# Needs: the nvidia-cutlass wheel under .whl/ (carry it), nvcc, torch with CUDA.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/fa2_kernel_out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-build,test,sanitize,timing}
+export PYTHONUNBUFFERED=1
+export MAX_JOBS=${MAX_JOBS:-16}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
+export FA2_INDUCTOR_BUILD_CUDA=1
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+if ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/nvidia_cutlass-*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee -a "$SUMMARY"
+python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$SUMMARY"
+
+if has build; then
+  t0=$(date +%s)
+  python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1
+  rc=$?
+  note "build: rc=$rc wall=$(( $(date +%s) - t0 ))s MAX_JOBS=$MAX_JOBS"
+  # ptxas: one line per kernel entry with registers, then spills.
+  python3 - "$OUT/build.log" <<'PY' | tee -a "$SUMMARY"
+import re, sys
+text = open(sys.argv[1], errors="replace").read()
+for m in re.finditer(r"Compiling entry function '(\S+)' for 'sm_90a'\n(?:.*\n)*?.*?(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads\n.*?Used (\d+) registers", text):
+    name = m.group(1)
+    cfg = re.search(r"KernelTraitsILi(\d+)ELNS_5DTypeE(\d)ELb(\d)", name)
+    tag = f"hdim{cfg[1]} {'bf16' if cfg[2]=='0' else 'fp16'} causal={cfg[3]}" if cfg else name[:60]
+    print(f"ptxas {tag}: regs={m.group(5)} stack={m.group(2)} spill_st={m.group(3)} spill_ld={m.group(4)}")
+warn = [l for l in text.splitlines() if re.search(r"C75(0|1)\d|wgmma.*serializ", l)]
+print("wgmma serialisation warnings:", len(warn))
+for l in warn[:5]:
+    print("  ", l[:200])
+PY
+  [ $rc -ne 0 ] && { tail -40 "$OUT/build.log"; exit 1; }
+fi
+python3 -m fa2_inductor.info | tee -a "$SUMMARY"
+
+if has test; then
+  timeout 420 python3 -m pytest tests/gpu -q -rfE -p no:cacheprovider --timeout=200 > "$OUT/tests.log" 2>&1
+  note "tests: rc=$? $(tail -1 "$OUT/tests.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 | tee -a "$SUMMARY"
+fi
+
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    timeout 200 compute-sanitizer --tool $tool --print-limit 20 python3 scripts/kernel_sanitize.py > "$OUT/sanitize_$tool.log" 2>&1
+    note "sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+  done
+fi
+
+if has timing; then
+  timeout 300 python3 scripts/kernel_timing.py "$OUT/timing.json" ${TIMING_SEQLENS:-} > "$OUT/timing.log" 2>&1
+  note "timing: rc=$?"
+  cat "$OUT/timing.log" >> "$SUMMARY"
+fi
+
+if has bench; then
+  timeout 400 python3 -m fa2_inductor.bench --json "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.log" 2>&1
+  note "bench: rc=$?"
+fi
+cat "$SUMMARY"
