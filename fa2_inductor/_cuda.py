@@ -85,6 +85,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, is_causal: bool, out:
         out.zero_()
         lse.fill_(float("-inf"))
         return
+    if scale < 0:  # the kernel tracks the max of raw scores, which needs a non-negative scale
+        q, scale = -q, -scale
     _extension.C.fwd(q, k, v, out, lse, float(scale), bool(is_causal))
 
 
