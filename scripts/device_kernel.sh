@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fa2_kernel_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-build,test,sanitize,timing}
+STAGES=${STAGES:-build,smoke,test,timing,sanitize}
 export PYTHONUNBUFFERED=1
 export MAX_JOBS=${MAX_JOBS:-16}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -53,21 +53,29 @@ PY
 fi
 python3 -m fa2_inductor.info | tee -a "$SUMMARY"
 
+if has smoke; then  # a hang or crash here would waste the rest of the run: stop early
+  timeout 90 python3 scripts/kernel_sanitize.py > "$OUT/smoke.log" 2>&1
+  rc=$?
+  note "smoke: rc=$rc"
+  cat "$OUT/smoke.log" | tail -20 | tee -a "$SUMMARY"
+  [ $rc -ne 0 ] && exit 1
+fi
+
 if has test; then
-  timeout 420 python3 -m pytest tests/gpu -q -rfE -p no:cacheprovider --timeout=200 > "$OUT/tests.log" 2>&1
+  timeout 270 python3 -m pytest tests/gpu -q -rfE -p no:cacheprovider --timeout=120 > "$OUT/tests.log" 2>&1
   note "tests: rc=$? $(tail -1 "$OUT/tests.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 | tee -a "$SUMMARY"
 fi
 
 if has sanitize; then
   for tool in memcheck racecheck; do
-    timeout 200 compute-sanitizer --tool $tool --print-limit 20 python3 scripts/kernel_sanitize.py > "$OUT/sanitize_$tool.log" 2>&1
+    timeout 100 compute-sanitizer --tool $tool --print-limit 20 python3 scripts/kernel_sanitize.py > "$OUT/sanitize_$tool.log" 2>&1
     note "sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
   done
 fi
 
 if has timing; then
-  timeout 300 python3 scripts/kernel_timing.py "$OUT/timing.json" ${TIMING_SEQLENS:-} > "$OUT/timing.log" 2>&1
+  timeout 150 python3 scripts/kernel_timing.py "$OUT/timing.json" ${TIMING_SEQLENS:-} > "$OUT/timing.log" 2>&1
   note "timing: rc=$?"
   cat "$OUT/timing.log" >> "$SUMMARY"
 fi
