@@ -1,0 +1,357 @@
+"""The benchmark's logic on the CPU: arguments, FLOPs, timing loop, checking, table, JSON and plot."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fa2_inductor import bench
+
+TINY = ["--device", "cpu", "--tokens", "32", "--hidden", "16", "--seqlens", "8", "16", "--head-dims", "8"]
+TINY += ["--dtypes", "bf16"]
+FAST = ["--warmup", "1", "--reps", "2"]
+
+
+def _run_main(argv):
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        status = bench.main(argv)
+    return status, stdout.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One tiny CPU sweep shared by the tests that read its outputs."""
+    out_dir = tmp_path_factory.mktemp("bench")
+    argv = TINY + FAST + ["--json", str(out_dir / "r.json"), "--plot", str(out_dir / "r.png")]
+    status, stdout = _run_main(argv)
+    return status, stdout, out_dir
+
+
+def _cell(causal=False, dtype="fp32"):
+    return bench.Cell(dtype=dtype, causal=causal, head_dim=8, seqlen=16, batch=2, heads=2)
+
+
+def _inputs(cell, count=2):
+    return bench.random_input_sets(cell, torch.device("cpu"), count, seed=0)
+
+
+# ---------------------------------------------------------------- FLOPs and shapes
+
+
+def test_flops_count_both_matmuls_and_halve_for_causal():
+    assert bench.attention_flops(2, 3, 5, 7, 11, causal=False) == 4 * 2 * 3 * 5 * 7 * 11
+    assert bench.attention_flops(2, 3, 5, 7, 11, causal=True) == 2 * 2 * 3 * 5 * 7 * 11
+
+
+def test_tflops_from_milliseconds():
+    assert bench.tflops(2e12, 1000.0) == pytest.approx(2.0)
+    assert bench.tflops(1e9, 1.0) == pytest.approx(1.0)
+
+
+def test_paper_shapes_keep_tokens_and_hidden_fixed():
+    cells = bench.sweep_cells([512, 16384], [64, 256], ["bf16"], [False])
+    shapes = {(c.seqlen, c.head_dim): (c.batch, c.heads) for c in cells}
+    assert shapes == {(512, 64): (32, 32), (16384, 64): (1, 32), (512, 256): (32, 8), (16384, 256): (1, 8)}
+    # With batch·seqlen and heads·head_dim fixed, the work grows linearly in seqlen only.
+    assert {c.flops / c.seqlen for c in cells} == {4 * 16384 * 2048}
+
+
+def test_sweep_order_puts_seqlen_innermost():
+    cells = bench.sweep_cells([1, 2], [8], ["bf16", "fp16"], [False, True], tokens=4, hidden=8)
+    assert [(c.dtype, c.causal, c.seqlen) for c in cells][:4] == [
+        ("bf16", False, 1), ("bf16", False, 2), ("bf16", True, 1), ("bf16", True, 2)
+    ]
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def test_default_arguments_are_the_full_sweep():
+    args = bench.parse_args(["--device", "cuda"])
+    assert args.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
+    assert args.head_dims == [64, 128, 256]
+    assert args.dtypes == ["bf16", "fp16"]
+    assert args.causal == "both"
+    assert args.impls == ["fa2_inductor", "sdpa_flash", "sdpa_cudnn"]
+    assert args.check is True
+    assert (args.tokens, args.hidden) == (16384, 2048)
+
+
+def test_quick_is_a_subset_and_explicit_flags_win():
+    quick = bench.parse_args(["--device", "cuda", "--quick"])
+    assert set(quick.seqlens) < set(bench.FULL_SWEEP["seqlens"])
+    assert quick.reps < bench.FULL_SWEEP["reps"]
+    overridden = bench.parse_args(["--device", "cuda", "--quick", "--seqlens", "2048", "--reps", "7"])
+    assert (overridden.seqlens, overridden.reps) == ([2048], 7)
+    assert overridden.head_dims == bench.QUICK_SWEEP["head_dims"]
+
+
+def test_flags_are_parsed():
+    args = bench.parse_args(
+        ["--device", "cuda", "--causal", "yes", "--dtypes", "fp16", "--impls", "sdpa_flash", "inductor", "sdpa_flash",
+         "--no-check", "--warmup", "0"]
+    )
+    assert bench.CAUSAL_CHOICES[args.causal] == (True,)
+    assert args.dtypes == ["fp16"]
+    assert args.impls == ["sdpa_flash", "inductor"]
+    assert (args.check, args.warmup) == (False, 0)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--head-dims", "512"],
+        ["--reps", "0"],
+        ["--seqlens", "0"],
+        ["--dtypes", "int8"],
+        ["--impls", "xformers"],
+        ["--causal", "maybe"],
+    ],
+)
+def test_bad_arguments_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cuda"] + argv)
+
+
+def test_cpu_refuses_paper_sized_shapes(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu"])
+    assert "tiny shapes" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- timing
+
+
+def test_time_cpu_rotates_input_sets_through_warmup_and_reps():
+    seen = []
+    times = bench.time_cpu(seen.append, [("a",), ("b",), ("c",)], warmup=2, reps=4)
+    assert seen == ["a", "b", "c", "a", "b", "c"]
+    assert len(times) == 4 and all(t >= 0 for t in times)
+
+
+def test_slow_calls_get_fewer_reps_within_the_budget():
+    assert bench.affordable_counts(1.0, warmup=5, reps=20, budget_ms=2000) == (5, 20)
+    warmup, reps = bench.affordable_counts(50.0, warmup=5, reps=20, budget_ms=500)
+    assert (warmup, reps) == (2, 8)
+    assert bench.affordable_counts(10_000.0, warmup=5, reps=20, budget_ms=2000) == (1, 3)
+    assert bench.affordable_counts(10_000.0, warmup=0, reps=20, budget_ms=2000) == (0, 3)
+    assert bench.affordable_counts(10_000.0, warmup=1, reps=2, budget_ms=2000) == (1, 2)
+
+
+def test_time_cuda_brackets_each_call_with_events_after_a_sleep(monkeypatch):
+    log = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            assert enable_timing
+            self.index = None
+
+        def record(self):
+            self.index = len(log)
+            log.append("record")
+
+        def elapsed_time(self, end):
+            return float(end.index - self.index)
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append("sleep"))
+    times = bench.time_cuda(log.append, [("a",), ("b",)], warmup=1, reps=2)
+    assert log == ["a", "sync", "sleep", "record", "b", "record", "sleep", "record", "a", "record", "sync"]
+    assert times == [2.0, 2.0]
+
+
+def test_time_calls_uses_the_cpu_timer_on_cpu():
+    calls = []
+    times = bench.time_calls(lambda: calls.append(1), [()], torch.device("cpu"), warmup=1, reps=3)
+    assert len(calls) == 4 and len(times) == 3
+
+
+def test_input_sets_outgrow_the_cache():
+    assert bench.input_set_count(set_bytes=200 << 20, cache_bytes=50 << 20) == 2
+    assert bench.input_set_count(set_bytes=10 << 20, cache_bytes=50 << 20) == 8
+    assert bench.input_set_count(set_bytes=40 << 20, cache_bytes=50 << 20) == 5
+
+
+def test_random_inputs_are_independent_normals():
+    (q, k, v), (q2, _, _) = _inputs(_cell(dtype="bf16"))
+    assert q.dtype == torch.bfloat16 and q.shape == (2, 2, 16, 8)
+    assert not torch.equal(q, k) and not torch.equal(q, q2)
+    assert 0.5 < q.float().std().item() < 1.5
+
+
+# ---------------------------------------------------------------- checking and measuring
+
+
+def test_compare_to_reference_uses_dtype_tolerance_and_rejects_nan():
+    expected = torch.ones(4, dtype=torch.bfloat16)
+    assert bench.compare_to_reference(expected + 0.03, expected)[1]
+    error, within = bench.compare_to_reference(expected + 0.5, expected)
+    assert error == pytest.approx(0.5) and not within
+    assert not bench.compare_to_reference(torch.full_like(expected, math.nan), expected)[1]
+    assert bench.compare_to_reference(expected[:2], expected) == (math.inf, False)
+
+
+def _measure(name, cell, check=True, reps=2):
+    input_sets = _inputs(cell)
+    expected = bench.sdpa_reference(*input_sets[0], cell.causal, cell.head_dim**-0.5) if check else None
+    return bench.measure(name, cell, input_sets, expected, torch.device("cpu"), warmup=1, reps=reps)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fa2_inductor_is_checked_then_timed(causal):
+    m = _measure("fa2_inductor", _cell(causal))
+    assert m.status == "ok"
+    assert m.max_abs_error < 1e-5
+    assert len(m.times_ms) == 2 and m.median_ms > 0
+    assert m.tflops == pytest.approx(bench.tflops(_cell(causal).flops, m.median_ms))
+
+
+def test_wrong_output_is_marked_and_never_timed(monkeypatch):
+    calls = []
+
+    def build_wrong(q, k, v, causal, scale):
+        def call(q, k, v):
+            calls.append(1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale) + 0.1
+
+        return call
+
+    monkeypatch.setitem(bench.IMPLEMENTATIONS, "fa2_inductor", build_wrong)
+    m = _measure("fa2_inductor", _cell())
+    assert m.status == "WRONG" and m.tflops is None and m.times_ms == []
+    assert m.max_abs_error == pytest.approx(0.1, rel=1e-3)
+    assert len(calls) == 1
+
+
+def test_without_check_the_output_is_not_compared(monkeypatch):
+    monkeypatch.setitem(bench.IMPLEMENTATIONS, "fa2_inductor", lambda q, k, v, causal, scale: lambda q, k, v: q * 0)
+    m = _measure("fa2_inductor", _cell(), check=False)
+    assert m.status == "ok" and m.max_abs_error is None
+
+
+def test_a_backend_that_refuses_is_not_available_with_its_reason():
+    m = _measure("sdpa_cudnn", _cell())  # no cuDNN attention on the CPU
+    assert m.status == "n/a"
+    assert "RuntimeError" in m.reason
+
+
+def test_a_declining_builder_gives_its_own_reason(monkeypatch):
+    def decline(q, k, v, causal, scale):
+        raise bench.NotAvailable("head dim 8 is not compiled")
+
+    monkeypatch.setitem(bench.IMPLEMENTATIONS, "fa2_inductor", decline)
+    m = _measure("fa2_inductor", _cell())
+    assert (m.status, m.reason) == ("n/a", "head dim 8 is not compiled")
+
+
+def test_fa2_inductor_failing_is_an_error_not_a_refusal(monkeypatch):
+    def crash(q, k, v):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setitem(bench.IMPLEMENTATIONS, "fa2_inductor", lambda q, k, v, causal, scale: crash)
+    m = _measure("fa2_inductor", _cell())
+    assert m.status == "error" and "illegal memory access" in m.reason
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hand_written_attention_matches_sdpa(causal):
+    q, k, v = _inputs(_cell(), count=1)[0]
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3)
+    torch.testing.assert_close(bench.attention_by_hand(q, k, v, 0.3, causal), expected)
+
+
+def test_ratios_and_row_text():
+    ok = bench.Measurement("ok", median_ms=1.0, tflops=300.0)
+    result = bench.CellResult(
+        _cell(),
+        {
+            "fa2_inductor": bench.Measurement("ok", median_ms=1.0, tflops=600.0, max_abs_error=0.004),
+            "sdpa_flash": ok,
+            "sdpa_cudnn": bench.Measurement("n/a", reason="head dim"),
+        },
+    )
+    assert result.ratios() == {"fa2/flash": 2.0}
+    impls = ["fa2_inductor", "sdpa_flash", "sdpa_cudnn"]
+    header = bench.table_header(impls, check=True).split()
+    row = bench.table_row(result, impls, check=True).split()
+    assert header == ["seqlen", "batch", "heads", *impls, "fa2/flash", "fa2/cudnn", "fa2", "max|err|"]
+    assert row == ["16", "2", "2", "600.0", "300.0", "n/a", "2.00x", "-", "4.00e-03"]
+
+
+def test_no_ratios_when_fa2_did_not_run():
+    measurements = {"fa2_inductor": bench.Measurement("WRONG"), "sdpa_flash": bench.Measurement("ok", 1.0, 1.0)}
+    result = bench.CellResult(_cell(), measurements)
+    assert result.ratios() == {}
+
+
+# ---------------------------------------------------------------- a whole tiny run
+
+
+def test_tiny_run_prints_the_table_progressively(tiny_run):
+    status, stdout, _ = tiny_run
+    assert status == 0
+    assert "kernel: " in stdout
+    assert stdout.count("bf16, non-causal, head dim 8") == 1 and stdout.count("bf16, causal, head dim 8") == 1
+    assert "fa2/flash" in stdout and "fa2/cudnn" in stdout
+    assert "[1/4," in stdout and "[4/4," in stdout
+    assert stdout.count("note: sdpa_cudnn n/a") == 1  # the same reason is noted once, not per row
+
+
+def test_tiny_run_writes_every_number_and_the_environment(tiny_run):
+    _, _, out_dir = tiny_run
+    document = json.loads((out_dir / "r.json").read_text())
+    env = document["environment"]
+    assert env["torch"] == torch.__version__ and env["kernel_loaded"] in (True, False) and env["kernel_status"]
+    assert document["settings"]["impls"] == ["fa2_inductor", "sdpa_flash", "sdpa_cudnn"]
+    results = document["results"]
+    assert [(r["causal"], r["seqlen"]) for r in results] == [(False, 8), (False, 16), (True, 8), (True, 16)]
+    for record in results:
+        fa2, flash, cudnn = (record["measurements"][name] for name in document["settings"]["impls"])
+        assert fa2["status"] == flash["status"] == "ok" and len(fa2["times_ms"]) == 2
+        assert cudnn["status"] == "n/a" and cudnn["reason"]
+        assert record["ratios"]["fa2/flash"] == pytest.approx(fa2["tflops"] / flash["tflops"])
+        assert record["flops"] == bench.attention_flops(
+            record["batch"], record["heads"], record["seqlen"], record["seqlen"], 8, record["causal"]
+        )
+
+
+def test_tiny_run_draws_the_plot(tiny_run):
+    pytest.importorskip("matplotlib")
+    _, stdout, out_dir = tiny_run
+    assert (out_dir / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot: {out_dir / 'r.png'}" in stdout
+
+
+def test_missing_matplotlib_is_said_and_not_fatal(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    assert bench.draw_plot([], ["fa2_inductor"], tmp_path / "p.png", "title") is False
+    assert "matplotlib is not installed" in capsys.readouterr().out
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_replot_redraws_from_the_json_alone(tiny_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    _, _, out_dir = tiny_run
+    status, stdout = _run_main(["--replot", str(out_dir / "r.json"), "--plot", str(tmp_path / "again.png")])
+    assert status == 0 and "again.png" in stdout
+    assert (tmp_path / "again.png").stat().st_size > 1000
+
+
+def test_a_wrong_cell_makes_the_exit_status_fail(monkeypatch, tmp_path):
+    monkeypatch.setitem(bench.IMPLEMENTATIONS, "fa2_inductor", lambda q, k, v, causal, scale: lambda q, k, v: q + 1)
+    argv = TINY + FAST + ["--seqlens", "8", "--causal", "no", "--impls", "fa2_inductor", "sdpa_flash",
+                          "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]
+    status, stdout = _run_main(argv)
+    assert status == 1
+    assert "WRONG" in stdout
+    record = json.loads((tmp_path / "r.json").read_text())["results"][0]
+    assert record["measurements"]["fa2_inductor"]["status"] == "WRONG" and record["ratios"] == {}
