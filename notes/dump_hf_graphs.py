@@ -17,8 +17,8 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.decomposition import select_decomp_table
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from hf_families import FAMILIES, model_output  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.hf_families import FAMILIES, model_output  # noqa: E402
 
 # Inductor decomposes softmax (amax, sub, exp, sum, div), so amax marks an eager attention site.
 ANCHORS = ("amax", "_softmax", "scaled_dot_product")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 VOCAB = 128
 HIDDEN = 64
@@ -32,11 +33,14 @@ class Family:
     refusal: str | None = None
     tags: frozenset = field(default_factory=frozenset)
 
-    def build(self, attn_implementation: str, dtype=torch.float32, device="cpu", seed=0):
+    def build(self, attn_implementation: str, dtype=torch.float32, device="cpu", seed=0, **config_overrides):
+        """The model with seeded random weights, in eval mode."""
         import transformers
 
         torch.manual_seed(seed)
         config = self.make_config()
+        for name, value in config_overrides.items():
+            setattr(config, name, value)
         model_cls = getattr(transformers, self.model_class)
         model = model_cls._from_config(config, attn_implementation=attn_implementation, dtype=dtype)
         return model.to(device).eval()
@@ -225,3 +229,17 @@ def model_output(output) -> torch.Tensor:
     """The tensor a family's forward returns for comparison: logits, or the last hidden state."""
     logits = getattr(output, "logits", None)
     return logits if logits is not None else output.last_hidden_state
+
+
+class CountOpCalls(TorchDispatchMode):
+    """Counts calls of one op (e.g. ``torch.ops.fa2_inductor.flash_attention_fwd.default``) while active."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is self.op:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
