@@ -42,8 +42,13 @@ struct KernelTraits {
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;  // one producer warpgroup
+  // setmaxnreg moves registers between warpgroups of the CTA: what the consumers gain must not
+  // exceed what the producer gives back from the launch allocation, or setmaxnreg.inc waits forever.
   static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? 32 : 40;
-  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 240 : 160;
+  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 232 : 160;
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * kConsumerThreads,
+                "register reconfiguration would deadlock");
 
   using TileM = Int<kBlockM>;
   using TileN = Int<kBlockN>;
