@@ -54,7 +54,7 @@ fi
 python3 -m fa2_inductor.info | tee -a "$SUMMARY"
 
 if has smoke; then  # a hang or crash here would waste the rest of the run: stop early
-  timeout 90 python3 scripts/kernel_sanitize.py > "$OUT/smoke.log" 2>&1
+  timeout 45 python3 scripts/kernel_sanitize.py > "$OUT/smoke.log" 2>&1
   rc=$?
   note "smoke: rc=$rc"
   cat "$OUT/smoke.log" | tail -20 | tee -a "$SUMMARY"
