@@ -1,0 +1,152 @@
+"""Tiny HF models of every family, compiled with backend="fa2_inductor" on CPU (config.rewrite_on_cpu).
+
+For each family × {eager, sdpa}: every attention site is rewritten (counted against the number of sites
+computed from the config) and the logits equal the uncompiled model's. Families whose attention cannot be
+computed exactly by the op (logit softcapping) must be refused with a reason instead.
+The post-grad graph is inspected too: K/V reach the op with their own (un-repeated) heads, and a purely
+causal mask becomes is_causal=True.
+
+Compile time dominates: the models are tiny, Inductor's caches are off so every run really compiles, and
+vectorised C++ is turned off because scalar kernels compile about twice as fast (the pass sees the same graph).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+pytest.importorskip("transformers")
+if importlib.util.find_spec("fa2_inductor.backend") is None:
+    pytest.skip("fa2_inductor.backend (the compile backend) is not written yet", allow_module_level=True)
+
+import fa2_inductor  # noqa: E402
+from tests.hf_families import FAMILIES, Family, model_output  # noqa: E402
+
+FLASH_FWD = torch.ops.fa2_inductor.flash_attention_fwd.default
+IMPLS = ("eager", "sdpa")
+# Variants: the family's own inputs (padding masks where the family has them), and Llama with no mask
+# at all, whose mask HF builds as a pure causal one.
+CASES = [(name, impl, "padded") for name in FAMILIES for impl in IMPLS] + [
+    ("llama", impl, "causal") for impl in IMPLS
+]
+
+
+class CaptureOpCalls(CustomGraphPass):
+    """Records the fa2_inductor op nodes of each post-grad graph (after the fa2_inductor pass ran)."""
+
+    def __init__(self):
+        self.nodes = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.nodes += [n for n in graph.nodes if n.op == "call_function" and n.target is FLASH_FWD]
+
+    def uuid(self):
+        return None  # never cached: the tests disable Inductor's caches anyway
+
+
+@pytest.fixture
+def compile_on_cpu(monkeypatch):
+    """Fresh Dynamo state and counters, the pass enabled on CPU, Inductor's caches off."""
+    monkeypatch.setattr(fa2_inductor.config, "rewrite_on_cpu", True)
+    capture = CaptureOpCalls()
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._inductor.config.patch(
+        force_disable_caches=True, post_grad_custom_post_pass=capture, **{"cpp.vec_isa_ok": False}
+    ):
+        yield capture
+    torch._dynamo.reset()
+
+
+def _inputs(family: Family, config, variant: str) -> dict:
+    inputs = family.make_inputs(config, torch.device("cpu"))
+    if variant == "causal":
+        del inputs["attention_mask"]
+    return inputs
+
+
+def _refusals(reason_word: str) -> int:
+    return sum(n for key, n in counters["fa2_inductor"].items() if key.startswith("refused:") and reason_word in key)
+
+
+@pytest.mark.parametrize("name, impl, variant", CASES, ids=["-".join(c) for c in CASES])
+def test_compiled_model_rewrites_every_attention_site(compile_on_cpu, name, impl, variant):
+    family = FAMILIES[name]
+    model = family.build(impl)
+    inputs = _inputs(family, model.config, variant)
+    sites = family.count_attention_sites(model.config)
+    with torch.no_grad():
+        expected = model_output(model(**inputs))
+        got = model_output(torch.compile(model, backend="fa2_inductor")(**inputs))
+
+    # HF's sdpa path silently drops Gemma2's softcap, so only the eager graph carries one.
+    must_refuse = family.refusal is not None and impl == "eager"
+    rewrites = counters["fa2_inductor"]["rewrites"]
+    if must_refuse:
+        assert rewrites == 0, f"{name}/{impl}: {family.refusal} sites must not be rewritten"
+        assert _refusals(family.refusal) == sites, dict(counters["fa2_inductor"])
+    else:
+        assert rewrites == sites, f"{name}/{impl}: {rewrites} of {sites} sites rewritten; {dict(counters['fa2_inductor'])}"
+        _check_op_arguments(compile_on_cpu.nodes, model.config, variant)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def _check_op_arguments(nodes, config, variant: str) -> None:
+    """K/V keep their own heads (no repeat_kv copy); a mask-free causal model gets is_causal=True."""
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    for node in nodes:
+        q, k, v, attn_mask, _scale, is_causal = node.args
+        if kv_heads is not None:
+            assert k.meta["val"].shape[1] == kv_heads, f"{node}: K was not mapped back to its {kv_heads} heads"
+            assert v.meta["val"].shape[1] == kv_heads
+        if variant == "causal":
+            assert attn_mask is None and is_causal, f"{node}: a provably causal mask must become is_causal=True"
+
+
+TRAINING_CASES = [("llama", "sdpa"), ("bert", "eager")]
+
+
+@pytest.mark.parametrize("name, impl", TRAINING_CASES, ids=["-".join(c) for c in TRAINING_CASES])
+def test_training_step_matches_eager(compile_on_cpu, name, impl):
+    family = FAMILIES[name]
+    no_dropout = {"attention_dropout": 0.0, "attention_probs_dropout_prob": 0.0, "hidden_dropout_prob": 0.0}
+    eager = family.build(impl, **no_dropout).train()
+    compiled_model = family.build(impl, **no_dropout).train()
+    inputs = family.make_inputs(eager.config, torch.device("cpu"))
+
+    def loss_of(model):
+        return model_output(model(**inputs)).float().square().mean()
+
+    expected = loss_of(eager)
+    expected.backward()
+    got = loss_of(torch.compile(compiled_model, backend="fa2_inductor"))
+    got.backward()
+
+    assert counters["fa2_inductor"]["rewrites"] == family.count_attention_sites(eager.config)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    expected_grads = {n: p.grad for n, p in eager.named_parameters()}
+    for param_name, param in compiled_model.named_parameters():
+        expected_grad = expected_grads[param_name]
+        if expected_grad is None:  # outside the loss (BERT's pooler): compiled code may give zeros instead
+            assert param.grad is None or not param.grad.any(), param_name
+        else:
+            torch.testing.assert_close(param.grad, expected_grad, atol=1e-5, rtol=1e-4, msg=param_name)
+
+
+def test_generate_with_static_cache_matches_eager_greedy(compile_on_cpu):
+    """Prefill (Sq = prompt) and decode (Sq = 1) graphs both compile; the tokens are eager's."""
+    family = FAMILIES["llama"]
+    model = family.build("sdpa")
+    prompt = family.make_inputs(model.config, torch.device("cpu"))
+    settings = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0, "cache_implementation": "static"}
+    with torch.no_grad():
+        expected = family.build("eager").generate(**prompt, **settings)
+        model.forward = torch.compile(model.forward, backend="fa2_inductor")
+        got = model.generate(**prompt, **settings)
+    # Prefill sites at least; decode sites are rewritten only where the op is as fast as Inductor.
+    assert counters["fa2_inductor"]["rewrites"] >= family.count_attention_sites(model.config)
+    torch.testing.assert_close(got, expected)
