@@ -74,6 +74,12 @@ if has sanitize; then
   done
 fi
 
+if has sweep; then
+  bash scripts/kernel_sweep.sh "$OUT" ${SWEEP_VARIANTS:-} > "$OUT/sweep.log" 2>&1
+  note "sweep: rc=$?"
+  cat "$OUT/sweep.log" >> "$SUMMARY"
+fi
+
 if has timing; then
   timeout 150 python3 scripts/kernel_timing.py "$OUT/timing.json" ${TIMING_SEQLENS:-} > "$OUT/timing.log" 2>&1
   note "timing: rc=$?"

@@ -18,8 +18,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fa2_inductor import _cuda
 
 SEQLENS = [int(s) for s in (sys.argv[2].split(",") if len(sys.argv) > 2 else "512,1024,2048,4096,8192,16384".split(","))]
-HEAD_DIMS = [64, 128, 256]
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+import os
+
+HEAD_DIMS = [int(x) for x in os.environ.get("TIMING_HEAD_DIMS", "64,128,256").split(",")]
+DTYPES = {k: v for k, v in {"bf16": torch.bfloat16, "fp16": torch.float16}.items()
+          if k in os.environ.get("TIMING_DTYPES", "bf16,fp16").split(",")}
+IMPLS = os.environ.get("TIMING_IMPLS", "ours,flash,cudnn").split(",")
 
 
 def median_ms(fn, reps=20, warmup=5):
@@ -67,10 +71,19 @@ def main():
                                 F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
                         return run
 
+                    q0, k0, v0 = sets[0]
+                    _cuda.forward(q0, k0, v0, scale, causal, out, lse)
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        ref = F.scaled_dot_product_attention(q0, k0, v0, is_causal=causal, scale=scale)
+                    maxdiff = (out.float() - ref.float()).abs().max().item()
                     flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
-                    res = {"dtype": dt_name, "d": d, "causal": causal, "seqlen": s, "batch": b, "heads": h}
+                    res = {"dtype": dt_name, "d": d, "causal": causal, "seqlen": s, "batch": b, "heads": h,
+                           "maxdiff_vs_flash": maxdiff}
                     for name, fn in (("ours", ours), ("flash", sdpa(SDPBackend.FLASH_ATTENTION)),
                                      ("cudnn", sdpa(SDPBackend.CUDNN_ATTENTION))):
+                        if name not in IMPLS:
+                            res[name] = None
+                            continue
                         try:
                             ms = median_ms(fn)
                             res[name] = flops / ms / 1e9
@@ -79,12 +92,12 @@ def main():
                             res[name + "_error"] = str(exc).splitlines()[0][:120]
                     rows.append(res)
                     del sets
-    print(f"{'dtype':5} {'d':>4} {'causal':>6} {'seqlen':>6} {'ours':>7} {'flash':>7} {'cudnn':>7} {'x_fl':>5} {'x_cd':>5}")
+    print(f"{'dtype':5} {'d':>4} {'causal':>6} {'seqlen':>6} {'ours':>7} {'flash':>7} {'cudnn':>7} {'x_fl':>5} {'x_cd':>5} {'maxdiff':>8}")
     for r in rows:
         f = lambda x: f"{x:7.1f}" if x else "    n/a"
         rf = r["ours"] / r["flash"] if r["ours"] and r["flash"] else float("nan")
         rc = r["ours"] / r["cudnn"] if r["ours"] and r["cudnn"] else float("nan")
-        print(f"{r['dtype']:5} {r['d']:>4} {str(r['causal']):>6} {r['seqlen']:>6} {f(r['ours'])} {f(r['flash'])} {f(r['cudnn'])} {rf:5.2f} {rc:5.2f}")
+        print(f"{r['dtype']:5} {r['d']:>4} {str(r['causal']):>6} {r['seqlen']:>6} {f(r['ours'])} {f(r['flash'])} {f(r['cudnn'])} {rf:5.2f} {rc:5.2f} {r['maxdiff_vs_flash']:8.1e}")
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as fh:
             json.dump(rows, fh, indent=1)

@@ -12,9 +12,6 @@ namespace fa2 {
 
 using namespace cute;
 
-// Named barrier ids (offset past CUTLASS's reserved ones by NamedBarrier itself).
-enum : int { kBarrierEpilogue = 0 };
-
 template <class Traits, class FragO>
 CUTE_DEVICE void epilogue_store(const KernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                                 FragO& tOrO, const float (&lse)[2], int tid, int m_block, int head,

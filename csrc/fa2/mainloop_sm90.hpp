@@ -23,6 +23,9 @@ namespace fa2 {
 
 using namespace cute;
 
+// Named barrier ids (CUTLASS's NamedBarrier adds its reserved offset).
+enum : int { kBarrierEpilogue = 0, kBarrierSchedule = 1 /* + consumer warpgroup index */ };
+
 template <DType Dt> struct ElementOf;
 template <> struct ElementOf<DType::kBF16> { using type = cutlass::bfloat16_t; };
 template <> struct ElementOf<DType::kFP16> { using type = cutlass::half_t; };
@@ -36,6 +39,7 @@ struct KernelTraits {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = Causal_;
+  static constexpr bool kPingPong = Config::kPingPong;
   static_assert(kHeadDim % 64 == 0, "head dim must fill 128-byte swizzle rows");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0);
 
@@ -253,9 +257,32 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
 
   // First (highest) key block: always masked when needed, no rescale.
   int n = n_blocks - 1;
+  // Ping-pong turn taking: warpgroup w waits on barrier w before issuing its GEMMs and then
+  // opens the other's. Warpgroup 0 opens its own first turn; the last warpgroup skips its final
+  // hand-over so every barrier ends balanced.
+  const int wg = tid / 128;
+  auto turn_wait = [&]() {
+    if constexpr (T::kPingPong) cutlass::arch::NamedBarrier::sync(T::kConsumerThreads, kBarrierSchedule + wg);
+  };
+  auto turn_pass = [&](bool last) {
+    if constexpr (T::kPingPong) {
+      if (!(last && wg == T::kConsumerWarpgroups - 1)) {
+        cutlass::arch::NamedBarrier::arrive(T::kConsumerThreads, kBarrierSchedule + (wg + 1) % T::kConsumerWarpgroups);
+      }
+    }
+  };
+  if constexpr (T::kPingPong) {
+    static_assert(T::kConsumerWarpgroups == 2, "ping-pong schedules two consumer warpgroups");
+    if (wg == 0) cutlass::arch::NamedBarrier::arrive(T::kConsumerThreads, kBarrierSchedule + 0);
+  }
+
   pipe_k.consumer_wait(read);
   bar_q.wait(0);
-  wg_gemm<true, 0, false>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+  turn_wait();
+  wg_gemm<true, -1, false>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+  turn_pass(n_blocks == 1);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tSrS);
   pipe_k.consumer_release(read);
   if (block_needs_mask<T::kCausal, T::kBlockN>(n, m0, args.seqlen_k)) {
     apply_mask<T::kCausal>(s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k);
@@ -267,9 +294,11 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
   ++read;
   for (n = n_blocks - 2; n >= 0; --n) {
     pipe_k.consumer_wait(read);
+    turn_wait();
     wg_gemm<true, -1, false>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
     pipe_v.consumer_wait(read_v);
     wg_gemm<false, -1, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+    turn_pass(n == 0);
     warpgroup_wait<1>();  // S of block n is ready; P.V of the previous block may still run
     warpgroup_fence_operand(tSrS);
     pipe_k.consumer_release(read);

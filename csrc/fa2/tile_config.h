@@ -8,6 +8,12 @@ namespace fa2 {
 template <int HeadDim, bool Causal>
 struct TileConfig;
 
+// Ping-pong: the two consumer warpgroups take turns issuing their GEMMs (named barriers), so one
+// warpgroup's softmax runs under the other's GEMMs.
+#ifndef FA2_PINGPONG
+#define FA2_PINGPONG 0
+#endif
+
 #ifndef FA2_TILE_N_HDIM64
 #define FA2_TILE_N_HDIM64 128
 #endif
@@ -20,14 +26,17 @@ struct TileConfig;
 
 template <bool Causal>
 struct TileConfig<64, Causal> {
+  static constexpr bool kPingPong = FA2_PINGPONG;
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM64, kStages = 3;
 };
 template <bool Causal>
 struct TileConfig<128, Causal> {
+  static constexpr bool kPingPong = FA2_PINGPONG;
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM128, kStages = 2;
 };
 template <bool Causal>
 struct TileConfig<256, Causal> {
+  static constexpr bool kPingPong = FA2_PINGPONG;
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM256, kStages = 2;
 };
 
