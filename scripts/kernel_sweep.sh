@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Tile / schedule sweep on the device: builds each variant (bf16 only) in its own copy of the tree,
 # all in parallel, then times only our kernel per variant (same run). Usage, from the repo root with
-# CUTLASS on PYTHONPATH: scripts/kernel_sweep.sh OUTDIR "name:flags" ...
+# CUTLASS on PYTHONPATH: scripts/kernel_sweep.sh OUTDIR name:-DA=1+-DB=2 ...  ("+" separates flags)
 set -uo pipefail
 OUTDIR=$1; shift
 ROOT=$PWD
 pids=()
 for spec in "$@"; do
-  name=${spec%%:*}; flags=${spec#*:}
+  name=${spec%%:*}; flags=${spec#*:}; flags=${flags//+/ }
   dir=/tmp/sweep_$name
   rm -rf "$dir"; mkdir -p "$dir"
   cp -r setup.py pyproject.toml csrc fa2_inductor scripts "$dir"/ 2>/dev/null
@@ -19,7 +19,7 @@ for spec in "$@"; do
 done
 wait "${pids[@]}"
 for spec in "$@"; do
-  name=${spec%%:*}; flags=${spec#*:}
+  name=${spec%%:*}; flags=${spec#*:}; flags=${flags//+/ }
   dir=/tmp/sweep_$name
   echo "=== variant $name ($flags)"
   grep -E "spill|registers" "$dir/build.log" | grep -B1 -E "[1-9][0-9]* bytes spill" | head -4
