@@ -1,0 +1,169 @@
+"""``python -m fa2_inductor.bench_e2e``: forward time of a whole Llama-shaped model, fa2_inductor against its peers.
+
+A random-weight Llama (hidden 2048, 16 heads, 8 KV heads, 4 layers, bf16) runs one forward pass over
+``--seqlens`` tokens (batch 1, no padding) in every variant below, in the same process; each is checked
+against uncompiled SDPA and then timed (median of ``--reps``):
+
+    eager                      attn_implementation="eager", no compile
+    eager-attn + Inductor      "eager",  torch.compile(backend="inductor")
+    sdpa                       "sdpa", no compile
+    sdpa + Inductor            "sdpa",   torch.compile(backend="inductor")
+    fa2_inductor (eager attn)  "eager",  torch.compile(backend="fa2_inductor")
+    fa2_inductor (sdpa attn)   "sdpa",   torch.compile(backend="fa2_inductor")
+    fa2_inductor interface     attn_implementation="fa2_inductor" (fa2_inductor.hf), no compile
+
+It prints ms and the ratio to "sdpa + Inductor" per sequence length, with how many attention sites the
+pass rewrote, and writes everything to ``--json``. ``--tiny`` runs a 2-layer float32 model on CPU with
+the pass enabled there (``config.rewrite_on_cpu``), which is what the test uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch._dynamo.utils import counters
+
+from . import config as fa2_config
+from . import hf
+from .bench import environment, time_calls, write_json
+
+BASELINE = "sdpa + Inductor"
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    attn_implementation: str
+    backend: Optional[str]  # torch.compile backend; None runs the model uncompiled
+
+
+VARIANTS = (
+    Variant("eager", "eager", None),
+    Variant("eager-attn + Inductor", "eager", "inductor"),
+    Variant("sdpa", "sdpa", None),
+    Variant(BASELINE, "sdpa", "inductor"),
+    Variant("fa2_inductor (eager attn)", "eager", "fa2_inductor"),
+    Variant("fa2_inductor (sdpa attn)", "sdpa", "fa2_inductor"),
+    Variant("fa2_inductor interface", hf.NAME, None),
+)
+
+LLAMA_SHAPE = dict(
+    hidden_size=2048, num_attention_heads=16, num_key_value_heads=8, num_hidden_layers=4,
+    intermediate_size=5632, vocab_size=32000,
+)
+TINY_SHAPE = dict(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+    intermediate_size=128, vocab_size=128,
+)
+
+
+@dataclass
+class Result:
+    variant: str
+    seqlen: int
+    median_ms: Optional[float] = None
+    rewrites: int = 0
+    max_abs_diff: Optional[float] = None
+    error: Optional[str] = None
+
+
+def build_model(shape: dict, attn_implementation: str, dtype: torch.dtype, device: torch.device, max_len: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)  # the same weights in every variant
+    cfg = LlamaConfig(**shape, max_position_embeddings=max_len)
+    model = LlamaForCausalLM._from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
+    return model.to(device).eval()
+
+
+def run_variant(variant: Variant, model, input_ids, reference: Optional[torch.Tensor], args) -> Result:
+    result = Result(variant.name, input_ids.shape[1])
+    torch._dynamo.reset()
+    counters.clear()
+    forward = model if variant.backend is None else torch.compile(model, backend=variant.backend, dynamic=False)
+    try:
+        with torch.no_grad():
+            logits = forward(input_ids).logits  # compiles, and gives the output to check
+            result.rewrites = counters["fa2_inductor"]["rewrites"]
+            if reference is not None:
+                result.max_abs_diff = (logits.float() - reference.float()).abs().max().item()
+            del logits
+            times = time_calls(lambda ids: forward(ids), [(input_ids,)], input_ids.device, warmup=args.warmup, reps=args.reps)
+        result.median_ms = statistics.median(times)
+    except Exception as exc:  # one failing variant (e.g. out of memory) must not lose the others
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        result.error = f"{type(exc).__name__}: {' | '.join(lines[:2])}"[:300]
+    return result
+
+
+def format_table(results: list[Result]) -> str:
+    lines = []
+    for seqlen in sorted({r.seqlen for r in results}):
+        rows = [r for r in results if r.seqlen == seqlen]
+        base = next((r.median_ms for r in rows if r.variant == BASELINE), None)
+        lines.append(f"\n{seqlen} tokens")
+        lines.append(f"{'variant':<28}{'ms':>10}{'vs ' + BASELINE:>22}{'rewrites':>10}{'max|Δlogits|':>14}")
+        for r in rows:
+            if r.error:
+                lines.append(f"{r.variant:<28}{'failed: ' + r.error}")
+                continue
+            ratio = f"{base / r.median_ms:.2f}x" if base else "-"
+            diff = f"{r.max_abs_diff:.3g}" if r.max_abs_diff is not None else "-"
+            lines.append(f"{r.variant:<28}{r.median_ms:>10.2f}{ratio:>22}{r.rewrites:>10}{diff:>14}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--variants", nargs="+", choices=[v.name for v in VARIANTS], default=[v.name for v in VARIANTS])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--json", type=Path, default=Path("bench_e2e.json"))
+    parser.add_argument("--tiny", action="store_true", help="2-layer float32 model on CPU (for tests)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> list[Result]:
+    args = parse_args(argv)
+    hf.register()
+    if args.tiny:
+        shape, dtype, device = TINY_SHAPE, torch.float32, torch.device("cpu")
+        fa2_config.rewrite_on_cpu = True
+        if args.seqlens == parse_args([]).seqlens:
+            args.seqlens = [16, 32]
+    else:
+        shape, dtype, device = LLAMA_SHAPE, torch.bfloat16, torch.device("cuda")
+    variants = [v for v in VARIANTS if v.name in args.variants]
+    results = []
+    for seqlen in args.seqlens:
+        input_ids = torch.randint(0, shape["vocab_size"], (1, seqlen), generator=torch.Generator().manual_seed(1)).to(device)
+        reference_model = build_model(shape, "sdpa", dtype, device, seqlen)
+        with torch.no_grad():
+            reference = reference_model(input_ids).logits
+        del reference_model
+        for variant in variants:
+            model = build_model(shape, variant.attn_implementation, dtype, device, seqlen)
+            results.append(run_variant(variant, model, input_ids, reference, args))
+            del model
+            print(f"{variant.name:<28} {seqlen:>6} tokens: {results[-1].median_ms or results[-1].error}", flush=True)
+        del reference
+    print(format_table(results))
+    document = {
+        "environment": environment(device),
+        "model": {**shape, "dtype": str(dtype), "batch": 1},
+        "settings": {"warmup": args.warmup, "reps": args.reps, "tiny": args.tiny},
+        "results": [asdict(r) for r in results],
+    }
+    write_json(args.json, document)
+    print(f"\nwrote {args.json}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
