@@ -9,3 +9,7 @@ from .reference import attention_reference
 
 __all__ = ["attention_reference", "config", "flash_attention"]
 __version__ = "0.1.0"
+from .backend import disable, enable, enabled
+from .explain import explain
+
+__all__ += ["disable", "enable", "enabled", "explain"]

@@ -1,0 +1,45 @@
+"""``fa2_inductor.explain(model_or_fn, *example_inputs)``: every attention site found, and its fate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class AttentionReport:
+    sites: list  # passes.report.SiteRecord, in compile order
+
+    @property
+    def rewritten(self) -> list:
+        return [s for s in self.sites if s.rewritten]
+
+    @property
+    def refused(self) -> list:
+        return [s for s in self.sites if not s.rewritten]
+
+    def __str__(self) -> str:
+        if not self.sites:
+            return "fa2_inductor: no attention found"
+        lines = [f"fa2_inductor: {len(self.rewritten)} of {len(self.sites)} attention sites rewritten"]
+        lines += [f"  {i}. {site}" for i, site in enumerate(self.sites, 1)]
+        return "\n".join(lines)
+
+
+def explain(model_or_fn, *example_inputs, **example_kwargs) -> AttentionReport:
+    """Compiles and runs ``model_or_fn`` once with the fa2_inductor backend and reports every site.
+
+    Inputs that require grad give the training graph (forward and backward); caches are bypassed so
+    the pass really runs.
+    """
+    import torch
+    from torch._inductor import config as inductor_config
+
+    from .backend import fa2_inductor_backend
+    from .passes import report
+
+    def backend(gm, inputs):  # a fresh backend object: Dynamo recompiles even if the model ran before
+        return fa2_inductor_backend(gm, inputs)
+
+    with report.collecting() as records, inductor_config.patch(force_disable_caches=True):
+        torch.compile(model_or_fn, backend=backend)(*example_inputs, **example_kwargs)
+    return AttentionReport(list(records))

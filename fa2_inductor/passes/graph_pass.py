@@ -1,0 +1,148 @@
+"""The Inductor joint-graph pass: find attention sites, decide, rewrite, count.
+
+It runs as ``joint_custom_pre_pass``, i.e. on the ATen graph AOTAutograd hands to Inductor (forward
+only for inference, forward + backward for training), before Inductor's own attention fusion.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any, Optional
+
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from .. import _extension, config
+from . import report
+from .fx_utils import is_backward_node
+from .match_sdpa import is_sdpa, match_sdpa
+from .match_softmax import attention_shaped, match_softmax_attention, softmax_at
+from .rewrite import backward_region, forward_region, rewrite_site
+from .site import AttentionSite
+from .softmax_dim_guard import move_softmax_to_last_dim
+from .support import refusal_reason
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def find_sites(graph: fx.Graph) -> list[AttentionSite]:
+    sites = []
+    for node in graph.nodes:
+        if node.op != "call_function" or is_backward_node(node):
+            continue
+        if is_sdpa(node):
+            site = match_sdpa(node)
+        else:
+            softmax = softmax_at(node)
+            site = match_softmax_attention(softmax) if softmax is not None else None
+        if site is not None:
+            sites.append(site)
+    return sites
+
+
+def _decide(site: AttentionSite) -> Optional[Any]:
+    """Fills in the site's refusal, returns its backward region (joint graphs) when it is rewritten."""
+    if site.refusal:
+        return None
+    from .causal_mask import is_top_left_causal  # noqa: PLC0415 - keeps the pass import small
+
+    if site.mask is not None and not site.is_causal:
+        q_shape, k_shape = site.q.meta["val"].shape, site.k.meta["val"].shape
+        seq_q = q_shape[1] if site.layouts["q"] == "bshd" else q_shape[-2]
+        seq_k = k_shape[1] if site.layouts["k"] == "bshd" else k_shape[-2]
+        if is_top_left_causal(site.mask, site.mask_negated, seq_q, seq_k):
+            site.is_causal, site.mask = True, None
+            site.notes.append("mask proven causal")
+    refused = refusal_reason(site)
+    if refused:
+        site.refuse(*refused)
+        return None
+    region = forward_region(site)
+    site.forward_nodes = region
+    backward = backward_region(site, region)
+    if isinstance(backward, str):
+        site.refuse(backward)
+        return None
+    return backward
+
+
+class AttentionPass(CustomGraphPass):
+    """Rewrites every attention the op computes exactly into ``fa2_inductor::flash_attention_fwd``."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        graph_kind = "training" if any(is_backward_node(n) for n in graph.nodes) else "inference"
+        changed = False
+        for site in find_sites(graph):
+            backward = _decide(site)
+            if site.refusal is None:
+                rewrite_site(site, backward)
+                changed = True
+            report.record(site, graph_kind)
+        changed |= self._shield_non_last_dim_softmax(graph)
+        if changed:
+            graph.eliminate_dead_code()
+
+    @staticmethod
+    def _shield_non_last_dim_softmax(graph: fx.Graph) -> bool:
+        moved = False
+        for node in list(graph.nodes):
+            softmax = softmax_at(node) if node.op == "call_function" and not is_backward_node(node) else None
+            if softmax is not None and softmax.dim != softmax.input.meta["val"].dim() - 1 and attention_shaped(softmax):
+                move_softmax_to_last_dim(graph, softmax)
+                moved = True
+        return moved
+
+    def uuid(self) -> bytes:
+        # The pass's sources, the op's support rules and every knob it reads decide its output.
+        files = sorted(glob.glob(os.path.join(_PACKAGE_DIR, "passes", "*.py")))
+        files += [os.path.join(_PACKAGE_DIR, name) for name in ("_cuda.py", "ops.py", "config.py")]
+        state = f"rewrite_on_cpu={config.rewrite_on_cpu};kernel_built={_extension.C is not None}"
+        return get_hash_for_files(tuple(files), state)
+
+
+class ComposedPass(CustomGraphPass):
+    """Several passes in one hook: torch 2.11 takes a single pass object per hook, later versions a list."""
+
+    def __init__(self, passes) -> None:
+        self.passes = tuple(passes)
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for graph_pass in self.passes:
+            graph_pass(graph)
+
+    def uuid(self) -> Optional[tuple]:
+        ids = []
+        for graph_pass in self.passes:
+            if not isinstance(graph_pass, CustomGraphPass) or graph_pass.uuid() is None:
+                return None  # an opaque user pass: Inductor must not cache
+            ids.append(graph_pass.uuid())
+        return tuple(ids)
+
+
+ATTENTION_PASS = AttentionPass()
+
+
+def _passes_in(hook_value) -> list:
+    """The passes a hook value holds (None, one pass, a list or tuple, or our ComposedPass), flattened."""
+    if hook_value is None:
+        return []
+    if isinstance(hook_value, ComposedPass):
+        return list(hook_value.passes)
+    if isinstance(hook_value, (list, tuple)):
+        return [p for item in hook_value for p in _passes_in(item)]
+    return [hook_value]
+
+
+def with_attention_pass(hook_value) -> CustomGraphPass:
+    """Our pass first, then whatever the user configured for the same hook (idempotent)."""
+    others = [p for p in _passes_in(hook_value) if p is not ATTENTION_PASS]
+    return ComposedPass([ATTENTION_PASS, *others])
+
+
+def without_attention_pass(hook_value):
+    """The hook value with our pass taken out: None, the user's single pass, or a composition."""
+    others = [p for p in _passes_in(hook_value) if p is not ATTENTION_PASS]
+    if not others:
+        return None
+    return others[0] if len(others) == 1 else ComposedPass(others)

@@ -1,0 +1,79 @@
+"""``F.scaled_dot_product_attention`` as AOTAutograd leaves it: one of ATen's fused SDPA ops."""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Optional
+
+import torch.fx as fx
+
+from .fx_utils import aten, tensor_val
+from .site import BHSD, AttentionSite
+from .views import repeated_heads
+
+# Every ATen form SDPA takes after dispatch; their arguments are read by schema name.
+SDPA_OPS = tuple(
+    getattr(aten, name)
+    for name in (
+        "scaled_dot_product_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+    )
+    if hasattr(aten, name)
+)
+
+
+def is_sdpa(node: fx.Node) -> bool:
+    packet = getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
+    return packet is not None and any(packet is op for op in SDPA_OPS)
+
+
+def _bound_arguments(node: fx.Node) -> dict:
+    schema = node.target._schema
+    bound = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args):
+            bound[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            bound[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+    return bound
+
+
+def _output(node: fx.Node) -> Optional[fx.Node]:
+    if node.target is aten.scaled_dot_product_attention.default:
+        return node
+    outs = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+    return outs[0] if len(outs) == 1 else None
+
+
+def match_sdpa(node: fx.Node) -> Optional[AttentionSite]:
+    anchor = _output(node)
+    if anchor is None:
+        return None
+    args = _bound_arguments(node)
+    site = AttentionSite("sdpa", anchor)
+    site.forward_nodes = {node, *node.users}
+    if args.get("dropout_p", 0.0) != 0.0:
+        return site.refuse("dropout_active")
+    q, k, v = args["query"], args["key"], args["value"]
+    site.q, site.k, site.v = q, k, v
+    site.layouts = {"q": BHSD, "k": BHSD, "v": BHSD, "out": BHSD}
+    head_dim = tensor_val(q).shape[-1]
+    scale = args.get("scale")
+    if scale is None:
+        if not isinstance(head_dim, int):
+            return site.refuse("symbolic_head_dim")
+        scale = 1.0 / math.sqrt(head_dim)
+    site.scale = float(scale)
+    site.mask = args.get("attn_mask", args.get("attn_bias"))
+    site.is_causal = bool(args.get("is_causal", False))
+    k_rep, v_rep = repeated_heads(k), repeated_heads(v)
+    if k_rep and v_rep and k_rep[1] == v_rep[1]:
+        site.k, site.v, site.n_rep = k_rep[0], v_rep[0], k_rep[1]
+    return site

@@ -1,0 +1,203 @@
+"""Replacing a matched site by the fused op, in inference graphs and in joint (training) graphs.
+
+In a joint graph AOTAutograd tags every backward node with the ``seq_nr`` of the forward op it
+differentiates. The backward of a site is therefore the set of backward nodes whose seq_nr belongs to
+one of the site's forward nodes; its outputs are the gradients of q, k and v, told apart by the
+seq_nr of the forward ops private to each input. That region is replaced by ``flash_attention_bwd``.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from .fx_utils import aten, insert_call, is_backward_node, tensor_val
+from .site import BSHD, FLAT, AttentionSite
+
+_SWAP_HEADS_AND_SEQ = [0, 2, 1, 3]
+
+
+def to_op_layout(graph: fx.Graph, node: fx.Node, layout: str) -> fx.Node:
+    if layout == BSHD:
+        return insert_call(graph, aten.permute.default, (node, _SWAP_HEADS_AND_SEQ))
+    if layout == FLAT:
+        return insert_call(graph, aten.unsqueeze.default, (node, 1))
+    return node
+
+
+def from_op_layout(graph: fx.Graph, node: fx.Node, layout: str) -> fx.Node:
+    if layout == BSHD:
+        return insert_call(graph, aten.permute.default, (node, _SWAP_HEADS_AND_SEQ))
+    if layout == FLAT:
+        return insert_call(graph, aten.squeeze.dim, (node, 1))
+    return node
+
+
+def value_in_op_layout(value: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same transform as ``to_op_layout``, applied to a (fake) tensor."""
+    if layout == BSHD:
+        return value.permute(_SWAP_HEADS_AND_SEQ)
+    if layout == FLAT:
+        return value.unsqueeze(1)
+    return value
+
+
+def mask_value_in_op_layout(site: AttentionSite) -> Optional[torch.Tensor]:
+    if site.mask is None or site.is_causal:
+        return None
+    mask = tensor_val(site.mask)
+    return mask.unsqueeze(1) if site.layouts["q"] == FLAT and mask.dim() == 3 else mask
+
+
+def forward_region(site: AttentionSite) -> set:
+    """Nodes between the site's inputs (q, k, v) and its output: what the rewrite makes dead."""
+    inputs = {site.q, site.k, site.v}
+    above, stack = set(), [site.anchor]
+    while stack:
+        node = stack.pop()
+        if node in above or node in inputs:
+            continue
+        above.add(node)
+        stack.extend(node.all_input_nodes)
+    region = set()
+    for node in site.anchor.graph.nodes:  # graph order: inputs of a node are decided before it
+        if node in above and any(a in inputs or a in region for a in node.all_input_nodes):
+            region.add(node)
+    return region | site.forward_nodes
+
+
+@dataclass
+class BackwardRegion:
+    nodes: list  # in graph order
+    grad_out: fx.Node
+    grads: dict  # "q"/"k"/"v" -> the backward node holding that input's gradient
+
+
+def _gradient_owner_keys(start: fx.Node, region: set) -> set:
+    """Keys identifying the backward node that holds ``start``'s gradient.
+
+    The seq_nrs of the forward ops only this input flows through; when it goes straight into an op
+    with several tensor inputs (bmm, SDPA), that op's seq_nr with the input's argument position.
+    """
+    keys, node = set(), start
+    while True:
+        users = [u for u in node.users if u in region and not is_backward_node(u)]
+        if len(users) != 1:
+            return keys
+        user = users[0]
+        if len(user.all_input_nodes) != 1:
+            if not keys:
+                keys.add((user.meta.get("seq_nr"), user.args.index(node) if node in user.args else None))
+            return keys
+        node = user
+        keys.add((node.meta.get("seq_nr"), None))
+
+
+def _gradient_key_matches(node: fx.Node, key: tuple) -> bool:
+    seq, position = key
+    if node.meta.get("seq_nr") != seq:
+        return False
+    # An op with several inputs: its backward returns one gradient per input, picked by getitem.
+    return position is None or node.target is not operator.getitem or node.args[1] == position
+
+
+def backward_region(site: AttentionSite, region: set):
+    """The site's backward in a joint graph; None when there is none; a refusal reason when unusable."""
+    seqs = {n.meta.get("seq_nr") for n in region if not is_backward_node(n)} - {None, -1}
+    graph = site.anchor.graph
+    nodes = [n for n in graph.nodes if is_backward_node(n) and n.meta.get("seq_nr") in seqs]
+    if not nodes:
+        return None
+    members = set(nodes)
+    forward = region | {n for n in graph.nodes if not is_backward_node(n) and n.meta.get("seq_nr") in seqs}
+    grad_inputs = {
+        a for n in nodes for a in n.all_input_nodes
+        if a not in members and a not in forward and isinstance(tensor_val(a), torch.Tensor) and _carries_gradient(a)
+    }
+    if len(grad_inputs) != 1:
+        return "training_backward_unrecognised"
+    inputs = {"q": site.q, "k": site.k, "v": site.v}
+    if len(set(inputs.values())) != 3:
+        return "training_shared_input"
+    keys = {name: _gradient_owner_keys(node, region) for name, node in inputs.items()}
+    grads = {}
+    for node in nodes:
+        if all(u in members for u in node.users):
+            continue
+        owners = [name for name, own in keys.items() if any(_gradient_key_matches(node, key) for key in own)]
+        if len(owners) != 1 or owners[0] in grads:
+            return "training_gradient_unmapped"
+        grads[owners[0]] = node
+    return BackwardRegion(nodes, grad_inputs.pop(), grads)
+
+
+def _carries_gradient(node: fx.Node) -> bool:
+    return is_backward_node(node) or (node.op == "placeholder" and node.name.startswith("tangents"))
+
+
+def _tag_new_nodes(graph: fx.Graph, existing: set, backward: bool) -> None:
+    """Marks added nodes the way AOTAutograd marks joint-graph nodes, for the partitioner."""
+    for node in graph.nodes:
+        if node not in existing:
+            node.meta["partitioner_tag"] = "is_backward" if backward else "is_forward"
+            if backward:
+                node.meta["autograd_backward"] = True
+
+
+def rewrite_site(site: AttentionSite, backward: Optional[BackwardRegion]) -> None:
+    graph = site.anchor.graph
+    existing = set(graph.nodes)
+    with graph.inserting_before(site.anchor):
+        q = to_op_layout(graph, site.q, site.layouts["q"])
+        for factor, divide in site.symbolic_scale:
+            q = insert_call(graph, aten.div.Tensor if divide else aten.mul.Tensor, (q, factor))
+        k = to_op_layout(graph, site.k, site.layouts["k"])
+        v = to_op_layout(graph, site.v, site.layouts["v"])
+        mask = _mask_in_op_layout(graph, site)
+        fwd = insert_call(graph, torch.ops.fa2_inductor.flash_attention_fwd.default,
+                          (q, k, v, mask, site.scale, site.is_causal))
+        out = insert_call(graph, operator.getitem, (fwd, 0))
+        lse = insert_call(graph, operator.getitem, (fwd, 1))
+        result = from_op_layout(graph, out, site.layouts["out"])
+    site.anchor.replace_all_uses_with(result)
+    if "partitioner_tag" in site.anchor.meta:
+        _tag_new_nodes(graph, existing, backward=False)
+    if backward is not None:
+        _rewrite_backward(site, backward, (q, k, v, mask, out, lse))
+
+
+def _mask_in_op_layout(graph: fx.Graph, site: AttentionSite) -> Optional[fx.Node]:
+    if site.mask is None or site.is_causal:
+        return None
+    mask = site.mask
+    if site.mask_negated:
+        mask = insert_call(graph, aten.logical_not.default, (mask,))
+    if site.layouts["q"] == FLAT and tensor_val(mask).dim() == 3:
+        mask = insert_call(graph, aten.unsqueeze.default, (mask, 1))
+    return mask
+
+
+def _rewrite_backward(site: AttentionSite, backward: BackwardRegion, saved: tuple) -> None:
+    graph = site.anchor.graph
+    q, k, v, mask, out, lse = saved
+    existing = set(graph.nodes)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    start = max((backward.grad_out, lse), key=order.__getitem__)
+    with graph.inserting_before(start.next):
+        grad_out = to_op_layout(graph, backward.grad_out, site.layouts["out"])
+        bwd = insert_call(graph, torch.ops.fa2_inductor.flash_attention_bwd.default,
+                          (grad_out, q, k, v, out, lse, mask, site.scale, site.is_causal, False))
+        grads = {name: insert_call(graph, operator.getitem, (bwd, i)) for i, name in enumerate("qkv")}
+        grads = {name: from_op_layout(graph, g, site.layouts[name]) for name, g in grads.items()}
+        for factor, divide in site.symbolic_scale:  # q was scaled before the op: chain rule
+            grads["q"] = insert_call(graph, aten.div.Tensor if divide else aten.mul.Tensor, (grads["q"], factor))
+    _tag_new_nodes(graph, existing, backward=True)
+    for name, old in backward.grads.items():
+        old.replace_all_uses_with(grads[name])
+    for node in reversed(backward.nodes):
+        if not node.users:
+            graph.erase_node(node)

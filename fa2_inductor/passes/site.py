@@ -1,0 +1,50 @@
+"""What the matchers found: one attention site, its inputs in their own layouts, and the verdict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch.fx as fx
+
+# Layouts of q/k/v/out relative to the op's [B, H, S, D]:
+#   "bhsd" as the op takes it; "bshd" needs a transpose of dims 1 and 2;
+#   "flat" is a 3-D [B*H, S, D] tensor, seen by the op as [B*H, 1, S, D].
+BHSD, BSHD, FLAT = "bhsd", "bshd", "flat"
+
+ScaleFactor = Union[float, fx.Node]
+
+
+@dataclass
+class AttentionSite:
+    kind: str  # "sdpa" or "matmul_softmax"
+    anchor: fx.Node  # the attention output, in ``out_layout``
+    q: Optional[fx.Node] = None
+    k: Optional[fx.Node] = None
+    v: Optional[fx.Node] = None
+    layouts: dict = field(default_factory=dict)  # "q", "k", "v", "out" -> layout
+    scale: float = 1.0
+    symbolic_scale: list = field(default_factory=list)  # (node, divide) factors folded into q
+    mask: Optional[fx.Node] = None
+    mask_negated: bool = False  # the graph's mask marks the blocked positions
+    is_causal: bool = False
+    n_rep: int = 1  # K/V heads repeated in the graph and mapped back to native GQA
+    forward_nodes: set = field(default_factory=set)  # the nodes the rewrite makes dead
+    notes: list = field(default_factory=list)  # what the matcher recognised, for the report
+    refusal: Optional[str] = None
+    detail: str = ""
+
+    def refuse(self, reason: str, detail: str = "") -> "AttentionSite":
+        self.refusal = reason
+        self.detail = detail
+        return self
+
+    def describe(self) -> str:
+        parts = [self.kind] + self.notes
+        if self.n_rep > 1:
+            parts.append(f"GQA x{self.n_rep} -> native")
+        if self.is_causal:
+            parts.append("is_causal")
+        elif self.mask is not None:
+            parts.append("mask")
+        return ", ".join(parts)

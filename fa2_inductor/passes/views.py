@@ -1,0 +1,176 @@
+"""Seeing through layout-only ops: which dims of a source tensor a viewed tensor shows, and batched matmuls.
+
+After AOTAutograd, ``q @ k.mT`` (4-D), ``torch.bmm`` on ``[B*H, S, D]`` and ``einsum`` all become an
+``aten.bmm`` surrounded by expand/view/permute/unsqueeze. These helpers undo that wrapping so the
+matcher can reason about logical ``[..., M, K] @ [..., K, N]`` products.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.fx as fx
+
+from .fx_utils import aten, is_op, prims, same_shape, same_size, tensor_val
+
+# Ops that return their input's values unchanged (layout or aliasing only).
+_IDENTITY_OPS = (aten.clone, aten.alias, aten.contiguous, aten.detach, aten.lift_fresh_copy)
+
+
+def _is_identity(node: fx.Node) -> bool:
+    if is_op(node, *_IDENTITY_OPS):
+        return True
+    if is_op(node, prims.convert_element_type):
+        return tensor_val(node.args[0]).dtype == node.args[1]
+    if is_op(node, aten.expand, aten.view, aten._unsafe_view, aten.reshape):
+        return same_shape(tensor_val(node.args[0]).shape, tensor_val(node).shape)
+    return False
+
+
+def _non_unit(shape) -> list[int]:
+    return [i for i, s in enumerate(shape) if not same_size(s, 1)]
+
+
+def _is_unit_view(node: fx.Node) -> bool:
+    """A view that only inserts or removes size-1 dims."""
+    if not is_op(node, aten.view, aten._unsafe_view, aten.reshape, aten.squeeze):
+        return False
+    src, dst = tensor_val(node.args[0]).shape, tensor_val(node).shape
+    a, b = [src[i] for i in _non_unit(src)], [dst[i] for i in _non_unit(dst)]
+    return same_shape(a, b)
+
+
+def strip_views(node: fx.Node) -> tuple[fx.Node, list[Optional[int]]]:
+    """(source, dims): ``node`` shows ``source`` through permutes and size-1 dims.
+
+    ``dims[i]`` is the source dim that ``node``'s dim i shows, or None for an inserted size-1 dim.
+    """
+    if not isinstance(node, fx.Node) or tensor_val(node) is None:
+        return node, []
+    if _is_identity(node):
+        return strip_views(node.args[0])
+    if is_op(node, aten.permute):
+        source, dims = strip_views(node.args[0])
+        return source, [dims[i] for i in node.args[1]]
+    if is_op(node, aten.unsqueeze):
+        source, dims = strip_views(node.args[0])
+        at = node.args[1] % (len(dims) + 1)
+        return source, dims[:at] + [None] + dims[at:]
+    if _is_unit_view(node):
+        source, dims = strip_views(node.args[0])
+        src_shape = tensor_val(node.args[0]).shape
+        kept = iter([dims[i] for i in _non_unit(src_shape)])
+        return source, [None if same_size(s, 1) else next(kept) for s in tensor_val(node).shape]
+    return node, list(range(tensor_val(node).dim()))
+
+
+def _product(sizes):
+    return math.prod(sizes) if sizes else 1
+
+
+def _merged_batch_source(node: fx.Node, rank: int) -> Optional[tuple[fx.Node, list[int]]]:
+    """(source, kept): a ``[N, M, K]`` bmm operand view that flattens the leading dims of ``source``.
+
+    ``kept`` lists the source dims forming (batch..., M, K); other source dims have size 1.
+    """
+    if not is_op(node, aten.view, aten._unsafe_view, aten.reshape):
+        return None
+    source = node.args[0]
+    src, dst = tensor_val(source).shape, tensor_val(node).shape
+    kept = list(range(len(src))) if len(src) == rank else _non_unit(src)
+    if len(kept) != rank:
+        return None
+    sizes = [src[i] for i in kept]
+    if not same_shape(sizes[-2:], dst[-2:]) or not same_size(_product(sizes[:-2]), dst[0]):
+        return None
+    return source, kept
+
+
+@dataclass
+class Operand:
+    """A bmm operand seen as ``source.permute(dims)``: dims lists the source dim for (batch..., row, col)."""
+
+    source: fx.Node
+    dims: list[int]
+
+
+@dataclass
+class BatchedMatmul:
+    """``out = lhs @ rhs`` over ``batch_rank`` leading dims; ``bmm`` is the ATen node doing it."""
+
+    bmm: fx.Node
+    out: fx.Node
+    lhs: Operand
+    rhs: Operand
+    batch_rank: int
+
+
+def _operand(bmm_arg: fx.Node, rank: int) -> Optional[Operand]:
+    source, dims = strip_views(bmm_arg)
+    if rank > 3:
+        merged = _merged_batch_source(source, rank)
+        if merged is None:
+            return None
+        flattened, kept = merged
+        source, flat_dims = strip_views(flattened)
+        dims = [flat_dims[i] for i in kept]
+    if None in dims or len(set(dims)) != rank or tensor_val(source).dim() != rank:
+        return None
+    return Operand(source, dims)
+
+
+def batched_matmul(node: fx.Node) -> Optional[BatchedMatmul]:
+    """Recognises ``node`` as the output of a logical batched matmul, or returns None."""
+    source, dims = strip_views(node)
+    if is_op(source, aten.bmm):
+        bmm, rank = source, 3
+    elif is_op(source, aten.view, aten._unsafe_view, aten.reshape) and is_op(source.args[0], aten.bmm):
+        bmm = source.args[0]
+        shape = tensor_val(source).shape
+        kept = _non_unit(shape)
+        rank = len(kept)
+        out_dims = [shape[i] for i in kept]
+        if rank < 3 or not same_shape(out_dims[-2:], tensor_val(bmm).shape[1:]):
+            return None
+        if not same_size(_product(out_dims[:-2]), tensor_val(bmm).shape[0]):
+            return None
+        dims = [d for d in dims if d is not None]
+        if dims != kept:
+            return None
+    else:
+        return None
+    if rank == 3 and [d for d in dims if d is not None] != [0, 1, 2]:
+        return None
+    lhs, rhs = _operand(bmm.args[0], rank), _operand(bmm.args[1], rank)
+    if lhs is None or rhs is None:
+        return None
+    return BatchedMatmul(bmm, node, lhs, rhs, rank - 2)
+
+
+def repeated_heads(node: fx.Node) -> Optional[tuple[fx.Node, int]]:
+    """(kv, n_rep) when ``node`` is ``[B, Hkv, S, D]`` with each head repeated n_rep times in place.
+
+    That is HF's repeat_kv (expand + reshape) and ``repeat_interleave(n_rep, dim=1)``, both of which
+    map query head h to kv head h // n_rep, as the op's native GQA does.
+    """
+    if not is_op(node, aten.view, aten._unsafe_view, aten.reshape):
+        return None
+    expanded = node.args[0]
+    while is_op(expanded, aten.clone):
+        expanded = expanded.args[0]
+    if not is_op(expanded, aten.expand) or not is_op(expanded.args[0], aten.unsqueeze):
+        return None
+    unsqueezed = expanded.args[0]
+    kv = unsqueezed.args[0]
+    kv_shape, big = tensor_val(kv).shape, tensor_val(expanded).shape
+    if len(kv_shape) != 4 or unsqueezed.args[1] % 5 != 2 or len(big) != 5:
+        return None
+    n_rep = big[2]
+    out_shape = tensor_val(node).shape
+    if not same_shape([big[0], big[1], big[3], big[4]], kv_shape) or not isinstance(n_rep, int):
+        return None
+    if not same_shape(out_shape, [kv_shape[0], kv_shape[1] * n_rep, kv_shape[2], kv_shape[3]]):
+        return None
+    return kv, n_rep
