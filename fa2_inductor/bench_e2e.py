@@ -120,7 +120,7 @@ def format_table(results: list[Result]) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--seqlens", type=int, nargs="+", help="default: 2048 8192 (16 32 with --tiny)")
     parser.add_argument("--variants", nargs="+", choices=[v.name for v in VARIANTS], default=[v.name for v in VARIANTS])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
@@ -135,13 +135,12 @@ def main(argv=None) -> list[Result]:
     if args.tiny:
         shape, dtype, device = TINY_SHAPE, torch.float32, torch.device("cpu")
         fa2_config.rewrite_on_cpu = True
-        if args.seqlens == parse_args([]).seqlens:
-            args.seqlens = [16, 32]
     else:
         shape, dtype, device = LLAMA_SHAPE, torch.bfloat16, torch.device("cuda")
+    seqlens = args.seqlens or ([16, 32] if args.tiny else [2048, 8192])
     variants = [v for v in VARIANTS if v.name in args.variants]
     results = []
-    for seqlen in args.seqlens:
+    for seqlen in seqlens:
         input_ids = torch.randint(0, shape["vocab_size"], (1, seqlen), generator=torch.Generator().manual_seed(1)).to(device)
         reference_model = build_model(shape, "sdpa", dtype, device, seqlen)
         with torch.no_grad():
@@ -157,7 +156,7 @@ def main(argv=None) -> list[Result]:
     document = {
         "environment": environment(device),
         "model": {**shape, "dtype": str(dtype), "batch": 1},
-        "settings": {"warmup": args.warmup, "reps": args.reps, "tiny": args.tiny},
+        "settings": {"seqlens": seqlens, "warmup": args.warmup, "reps": args.reps, "tiny": args.tiny},
         "results": [asdict(r) for r in results],
     }
     write_json(args.json, document)
