@@ -20,12 +20,13 @@ LAYERS = 2
 BATCH = 2
 SEQ = 12
 ENCODER_SEQ = 16
+MAX_POSITIONS = 1024  # room for the GPU tests' longer sequences
 
 
 @dataclass(frozen=True)
 class Family:
     name: str
-    make_config: Callable[[], object]
+    make_config: Callable[[int], object]  # hidden size -> config
     model_class: str  # transformers class name
     make_inputs: Callable[[object, torch.device], dict]
     count_attention_sites: Callable[[object], int]
@@ -33,12 +34,12 @@ class Family:
     refusal: str | None = None
     tags: frozenset = field(default_factory=frozenset)
 
-    def build(self, attn_implementation: str, dtype=torch.float32, device="cpu", seed=0, **config_overrides):
-        """The model with seeded random weights, in eval mode."""
+    def build(self, attn_implementation: str, dtype=torch.float32, device="cpu", hidden=HIDDEN, **config_overrides):
+        """The model with seeded random weights, in eval mode; head_dim = hidden // HEADS."""
         import transformers
 
-        torch.manual_seed(seed)
-        config = self.make_config()
+        torch.manual_seed(0)
+        config = self.make_config(hidden)
         for name, value in config_overrides.items():
             setattr(config, name, value)
         model_cls = getattr(transformers, self.model_class)
@@ -89,115 +90,115 @@ def _t5_sites(config) -> int:
     return config.num_layers + 2 * config.num_decoder_layers
 
 
-def _llama_config():
+def _llama_config(hidden: int):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, max_position_embeddings=64,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, max_position_embeddings=MAX_POSITIONS,
     )
 
 
-def _mistral_config():
+def _mistral_config(hidden: int):
     from transformers import MistralConfig
 
     # sliding_window < SEQ so the sliding-window mask really cuts keys.
     return MistralConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, max_position_embeddings=64,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, max_position_embeddings=MAX_POSITIONS,
         sliding_window=SEQ // 2,
     )
 
 
-def _qwen2_config():
+def _qwen2_config(hidden: int):
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=1, max_position_embeddings=64,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=1, max_position_embeddings=MAX_POSITIONS,
     )
 
 
-def _gpt2_config():
+def _gpt2_config(hidden: int):
     from transformers import GPT2Config
 
     return GPT2Config(
-        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_positions=64,
+        vocab_size=VOCAB, n_embd=hidden, n_layer=LAYERS, n_head=HEADS, n_positions=MAX_POSITIONS,
         bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,
     )
 
 
-def _bert_config():
+def _bert_config(hidden: int):
     from transformers import BertConfig
 
     return BertConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, max_position_embeddings=64,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, max_position_embeddings=MAX_POSITIONS,
     )
 
 
-def _vit_config():
+def _vit_config(hidden: int):
     from transformers import ViTConfig
 
     return ViTConfig(
-        image_size=32, patch_size=8, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+        image_size=32, patch_size=8, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=LAYERS, num_attention_heads=HEADS,
     )
 
 
-def _t5_config():
+def _t5_config(hidden: int):
     from transformers import T5Config
 
     return T5Config(
-        vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=2 * HIDDEN, num_layers=LAYERS,
+        vocab_size=VOCAB, d_model=hidden, d_kv=hidden // HEADS, d_ff=2 * hidden, num_layers=LAYERS,
         num_decoder_layers=LAYERS, num_heads=HEADS, relative_attention_num_buckets=8,
         decoder_start_token_id=0, pad_token_id=0,
     )
 
 
-def _bart_config():
+def _bart_config(hidden: int):
     from transformers import BartConfig
 
     return BartConfig(
-        vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=LAYERS, decoder_layers=LAYERS,
-        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=2 * HIDDEN,
-        decoder_ffn_dim=2 * HIDDEN, max_position_embeddings=64,
+        vocab_size=VOCAB, d_model=hidden, encoder_layers=LAYERS, decoder_layers=LAYERS,
+        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=2 * hidden,
+        decoder_ffn_dim=2 * hidden, max_position_embeddings=MAX_POSITIONS,
     )
 
 
-def _gpt_neox_config():
+def _gpt_neox_config(hidden: int):
     from transformers import GPTNeoXConfig
 
     return GPTNeoXConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, max_position_embeddings=64, rotary_pct=0.25,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, max_position_embeddings=MAX_POSITIONS, rotary_pct=0.25,
     )
 
 
-def _phi_config():
+def _phi_config(hidden: int):
     from transformers import PhiConfig
 
     return PhiConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, max_position_embeddings=64, partial_rotary_factor=0.5,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, max_position_embeddings=MAX_POSITIONS, partial_rotary_factor=0.5,
     )
 
 
-def _gemma_config():
+def _gemma_config(hidden: int):
     from transformers import GemmaConfig
 
     return GemmaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=1, head_dim=HIDDEN // HEADS, max_position_embeddings=64,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=1, head_dim=hidden // HEADS, max_position_embeddings=MAX_POSITIONS,
     )
 
 
-def _gemma2_config():
+def _gemma2_config(hidden: int):
     from transformers import Gemma2Config
 
     return Gemma2Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=2, head_dim=HIDDEN // HEADS, max_position_embeddings=64,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=2, head_dim=hidden // HEADS, max_position_embeddings=MAX_POSITIONS,
         sliding_window=SEQ // 2, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
     )
 

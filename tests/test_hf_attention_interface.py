@@ -85,12 +85,12 @@ def test_training_gradients_match_eager():
 
 def test_generate_with_kv_cache_and_left_padding_matches_eager():
     family = FAMILIES["llama"]
-    prompt = family.make_inputs(family.make_config(), torch.device("cpu"))
-    # Left padding, as batched generation uses: row 1's first quarter is padding.
-    prompt["attention_mask"] = prompt["attention_mask"].flip(-1)
     tokens = []
     for impl in ("eager", "fa2_inductor"):
         model = family.build(impl)
+        prompt = family.make_inputs(model.config, torch.device("cpu"))
+        # Left padding, as batched generation uses: row 1's first quarter is padding.
+        prompt["attention_mask"] = prompt["attention_mask"].flip(-1)
         with torch.no_grad():
             tokens.append(model.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=0))
     torch.testing.assert_close(tokens[1], tokens[0])
