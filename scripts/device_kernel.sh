@@ -11,13 +11,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fa2_kernel_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-build,smoke,test,timing,sanitize}
+STAGES=${STAGES:-build,smoke,test,sanitize,timing}
 export PYTHONUNBUFFERED=1
 export MAX_JOBS=${MAX_JOBS:-16}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export FA2_INDUCTOR_BUILD_CUDA=1
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 SUMMARY="$OUT/summary.txt"
+LOGS=/tmp/fa2_kernel_logs  # logs whose content the summary already carries (only 8 files come back)
+mkdir -p "$LOGS"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
@@ -54,10 +56,10 @@ fi
 python3 -m fa2_inductor.info | tee -a "$SUMMARY"
 
 if has smoke; then  # a hang or crash here would waste the rest of the run: stop early
-  timeout 45 python3 scripts/kernel_sanitize.py > "$OUT/smoke.log" 2>&1
+  timeout 45 python3 scripts/kernel_sanitize.py > "$LOGS/smoke.log" 2>&1
   rc=$?
   note "smoke: rc=$rc"
-  cat "$OUT/smoke.log" | tail -20 | tee -a "$SUMMARY"
+  cat "$LOGS/smoke.log" | tail -20 | tee -a "$SUMMARY"
   [ $rc -ne 0 ] && exit 1
 fi
 
@@ -69,8 +71,9 @@ fi
 
 if has sanitize; then
   for tool in memcheck racecheck; do
-    timeout 100 compute-sanitizer --tool $tool --print-limit 20 python3 scripts/kernel_sanitize.py > "$OUT/sanitize_$tool.log" 2>&1
-    note "sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+    timeout 100 compute-sanitizer --tool $tool --print-limit 20 python3 scripts/kernel_sanitize.py > "$LOGS/sanitize_$tool.log" 2>&1
+    note "sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitize_$tool.log" | tail -1)"
+    { echo "=== $tool"; cat "$LOGS/sanitize_$tool.log"; } >> "$OUT/sanitize.log"
   done
 fi
 
@@ -81,13 +84,14 @@ if has sweep; then
 fi
 
 if has timing; then
-  timeout 150 python3 scripts/kernel_timing.py "$OUT/timing.json" ${TIMING_SEQLENS:-} > "$OUT/timing.log" 2>&1
+  timeout 150 python3 scripts/kernel_timing.py "$OUT/timing.json" ${TIMING_SEQLENS:-} > "$LOGS/timing.log" 2>&1
   note "timing: rc=$?"
-  cat "$OUT/timing.log" >> "$SUMMARY"
+  cat "$LOGS/timing.log" >> "$SUMMARY"
 fi
 
 if has bench; then
-  timeout 400 python3 -m fa2_inductor.bench --json "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.log" 2>&1
+  timeout 180 python3 -m fa2_inductor.bench --json "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.log" 2>&1
   note "bench: rc=$?"
+  tail -90 "$OUT/bench.log" >> "$SUMMARY"
 fi
 cat "$SUMMARY"

@@ -9,9 +9,21 @@ template <int HeadDim, bool Causal>
 struct TileConfig;
 
 // Ping-pong: the two consumer warpgroups take turns issuing their GEMMs (named barriers), so one
-// warpgroup's softmax runs under the other's GEMMs.
-#ifndef FA2_PINGPONG
-#define FA2_PINGPONG 0
+// warpgroup's softmax runs under the other's GEMMs. Defaults from the run-3 sweep (KERNEL_NOTES.md):
+// on for D=64/128, off for D=256. FA2_PINGPONG=0/1 forces every head dim.
+#ifdef FA2_PINGPONG
+#define FA2_PINGPONG_HDIM64 FA2_PINGPONG
+#define FA2_PINGPONG_HDIM128 FA2_PINGPONG
+#define FA2_PINGPONG_HDIM256 FA2_PINGPONG
+#endif
+#ifndef FA2_PINGPONG_HDIM64
+#define FA2_PINGPONG_HDIM64 1
+#endif
+#ifndef FA2_PINGPONG_HDIM128
+#define FA2_PINGPONG_HDIM128 1
+#endif
+#ifndef FA2_PINGPONG_HDIM256
+#define FA2_PINGPONG_HDIM256 0
 #endif
 
 #ifndef FA2_TILE_N_HDIM64
@@ -26,17 +38,17 @@ struct TileConfig;
 
 template <bool Causal>
 struct TileConfig<64, Causal> {
-  static constexpr bool kPingPong = FA2_PINGPONG;
+  static constexpr bool kPingPong = FA2_PINGPONG_HDIM64;
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM64, kStages = 3;
 };
 template <bool Causal>
 struct TileConfig<128, Causal> {
-  static constexpr bool kPingPong = FA2_PINGPONG;
+  static constexpr bool kPingPong = FA2_PINGPONG_HDIM128;
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM128, kStages = 2;
 };
 template <bool Causal>
 struct TileConfig<256, Causal> {
-  static constexpr bool kPingPong = FA2_PINGPONG;
+  static constexpr bool kPingPong = FA2_PINGPONG_HDIM256;
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM256, kStages = 2;
 };
 
