@@ -1,8 +1,9 @@
 """``python -m fa2_inductor.bench_e2e``: forward time of a whole Llama-shaped model, fa2_inductor against its peers.
 
-A random-weight Llama (hidden 2048, 16 heads, 8 KV heads, 4 layers, bf16) runs one forward pass over
-``--seqlens`` tokens (batch 1, no padding) in every variant below, in the same process; each is checked
-against uncompiled SDPA and then timed (median of ``--reps``):
+A random-weight Llama (hidden 2048, 16 heads, 8 KV heads, 4 layers, bf16) runs, in every variant below and
+in the same process, a forward pass over ``--seqlens`` tokens (prefill; batch 1, no padding) and one decode
+step (1 token against a static KV cache of that many tokens). Each is checked against uncompiled SDPA,
+then timed (median of ``--reps``):
 
     eager                      attn_implementation="eager", no compile
     eager-attn + Inductor      "eager",  torch.compile(backend="inductor")
@@ -12,8 +13,8 @@ against uncompiled SDPA and then timed (median of ``--reps``):
     fa2_inductor (sdpa attn)   "sdpa",   torch.compile(backend="fa2_inductor")
     fa2_inductor interface     attn_implementation="fa2_inductor" (fa2_inductor.hf), no compile
 
-It prints ms and the ratio to "sdpa + Inductor" per sequence length, with how many attention sites the
-pass rewrote, and writes everything to ``--json``. ``--tiny`` runs a 2-layer float32 model on CPU with
+It prints ms and the ratio to "sdpa + Inductor" per phase and length, with how many attention sites the
+pass rewrote (decode steps must never be slower than plain Inductor), and writes everything to ``--json``. ``--tiny`` runs a 2-layer float32 model on CPU with
 the pass enabled there (``config.rewrite_on_cpu``), which is what the test uses.
 """
 
@@ -64,6 +65,7 @@ TINY_SHAPE = dict(
 
 @dataclass
 class Result:
+    phase: str  # "prefill": the whole sequence; "decode": one token against a cache of seqlen tokens
     variant: str
     seqlen: int
     median_ms: Optional[float] = None
@@ -81,19 +83,48 @@ def build_model(shape: dict, attn_implementation: str, dtype: torch.dtype, devic
     return model.to(device).eval()
 
 
-def run_variant(variant: Variant, model, input_ids, reference: Optional[torch.Tensor], args) -> Result:
-    result = Result(variant.name, input_ids.shape[1])
+class Workload:
+    """One phase at one length: the call to time, and the uncompiled SDPA logits it must reproduce."""
+
+    def __init__(self, phase: str, shape: dict, dtype, device, seqlen: int):
+        from transformers import StaticCache
+
+        self.phase, self.seqlen = phase, seqlen
+        ids = torch.randint(0, shape["vocab_size"], (1, seqlen + 1), generator=torch.Generator().manual_seed(1))
+        ids = ids.to(device)
+        reference_model = build_model(shape, "sdpa", dtype, device, seqlen + 1)
+        self.kwargs = {"input_ids": ids[:, :seqlen]}
+        if phase == "decode":
+            # A static cache holding seqlen tokens. Each call rewinds it to seqlen first (four in-place
+            # fills, the same in every variant), so every timed step writes the same slot and sees the same state.
+            self.cache = StaticCache(config=reference_model.config, max_cache_len=seqlen + 1)
+            with torch.no_grad():
+                reference_model(input_ids=ids[:, :seqlen], past_key_values=self.cache, use_cache=True)
+            position = torch.tensor([seqlen], device=device)
+            self.kwargs = {"input_ids": ids[:, seqlen:], "past_key_values": self.cache, "cache_position": position}
+        with torch.no_grad():
+            self.reference = self(reference_model)
+
+    def __call__(self, forward) -> torch.Tensor:
+        if self.phase == "decode":
+            for layer in self.cache.layers:
+                layer.cumulative_length.fill_(self.seqlen)
+        return forward(**self.kwargs).logits
+
+
+def run_variant(variant: Variant, workload: Workload, shape: dict, dtype, device, args) -> Result:
+    result = Result(workload.phase, variant.name, workload.seqlen)
     torch._dynamo.reset()
     counters.clear()
-    forward = model if variant.backend is None else torch.compile(model, backend=variant.backend, dynamic=False)
     try:
+        model = build_model(shape, variant.attn_implementation, dtype, device, workload.seqlen + 1)
+        forward = model if variant.backend is None else torch.compile(model, backend=variant.backend, dynamic=False)
         with torch.no_grad():
-            logits = forward(input_ids).logits  # compiles, and gives the output to check
+            logits = workload(forward)  # compiles, and gives the output to check
             result.rewrites = counters["fa2_inductor"]["rewrites"]
-            if reference is not None:
-                result.max_abs_diff = (logits.float() - reference.float()).abs().max().item()
+            result.max_abs_diff = (logits.float() - workload.reference.float()).abs().max().item()
             del logits
-            times = time_calls(lambda ids: forward(ids), [(input_ids,)], input_ids.device, warmup=args.warmup, reps=args.reps)
+            times = time_calls(lambda: workload(forward), [()], device, warmup=args.warmup, reps=args.reps)
         result.median_ms = statistics.median(times)
     except Exception as exc:  # one failing variant (e.g. out of memory) must not lose the others
         lines = [line for line in str(exc).splitlines() if line.strip()]
@@ -103,18 +134,18 @@ def run_variant(variant: Variant, model, input_ids, reference: Optional[torch.Te
 
 def format_table(results: list[Result]) -> str:
     lines = []
-    for seqlen in sorted({r.seqlen for r in results}):
-        rows = [r for r in results if r.seqlen == seqlen]
-        base = next((r.median_ms for r in rows if r.variant == BASELINE), None)
-        lines.append(f"\n{seqlen} tokens")
+    for phase, seqlen in dict.fromkeys((r.phase, r.seqlen) for r in results):
+        rows = [r for r in results if (r.phase, r.seqlen) == (phase, seqlen)]
+        base = next((r.median_ms for r in rows if r.variant == BASELINE and r.median_ms), None)
+        title = f"{seqlen} tokens" if phase == "prefill" else f"decode 1 token after {seqlen}"
+        lines.append(f"\n{phase}: {title}")
         lines.append(f"{'variant':<28}{'ms':>10}{'vs ' + BASELINE:>22}{'rewrites':>10}{'max|Δlogits|':>14}")
         for r in rows:
             if r.error:
                 lines.append(f"{r.variant:<28}{'failed: ' + r.error}")
                 continue
             ratio = f"{base / r.median_ms:.2f}x" if base else "-"
-            diff = f"{r.max_abs_diff:.3g}" if r.max_abs_diff is not None else "-"
-            lines.append(f"{r.variant:<28}{r.median_ms:>10.2f}{ratio:>22}{r.rewrites:>10}{diff:>14}")
+            lines.append(f"{r.variant:<28}{r.median_ms:>10.2f}{ratio:>22}{r.rewrites:>10}{r.max_abs_diff:>14.3g}")
     return "\n".join(lines)
 
 
@@ -122,6 +153,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", type=int, nargs="+", help="default: 2048 8192 (16 32 with --tiny)")
     parser.add_argument("--variants", nargs="+", choices=[v.name for v in VARIANTS], default=[v.name for v in VARIANTS])
+    parser.add_argument("--phases", nargs="+", choices=("prefill", "decode"), default=["prefill", "decode"])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", type=Path, default=Path("bench_e2e.json"))
@@ -140,23 +172,19 @@ def main(argv=None) -> list[Result]:
     seqlens = args.seqlens or ([16, 32] if args.tiny else [2048, 8192])
     variants = [v for v in VARIANTS if v.name in args.variants]
     results = []
-    for seqlen in seqlens:
-        input_ids = torch.randint(0, shape["vocab_size"], (1, seqlen), generator=torch.Generator().manual_seed(1)).to(device)
-        reference_model = build_model(shape, "sdpa", dtype, device, seqlen)
-        with torch.no_grad():
-            reference = reference_model(input_ids).logits
-        del reference_model
-        for variant in variants:
-            model = build_model(shape, variant.attn_implementation, dtype, device, seqlen)
-            results.append(run_variant(variant, model, input_ids, reference, args))
-            del model
-            print(f"{variant.name:<28} {seqlen:>6} tokens: {results[-1].median_ms or results[-1].error}", flush=True)
-        del reference
+    for phase in args.phases:
+        for seqlen in seqlens:
+            workload = Workload(phase, shape, dtype, device, seqlen)
+            for variant in variants:
+                results.append(run_variant(variant, workload, shape, dtype, device, args))
+                r = results[-1]
+                print(f"{phase:<8}{seqlen:>6} {variant.name:<28} {r.error or f'{r.median_ms:.3f} ms'}", flush=True)
+            del workload
     print(format_table(results))
     document = {
         "environment": environment(device),
         "model": {**shape, "dtype": str(dtype), "batch": 1},
-        "settings": {"seqlens": seqlens, "warmup": args.warmup, "reps": args.reps, "tiny": args.tiny},
+        "settings": {"phases": args.phases, "seqlens": seqlens, "warmup": args.warmup, "reps": args.reps, "tiny": args.tiny},
         "results": [asdict(r) for r in results],
     }
     write_json(args.json, document)

@@ -9,22 +9,26 @@ import torch
 
 pytest.importorskip("transformers")
 
+import fa2_inductor  # noqa: E402
 from fa2_inductor import bench_e2e  # noqa: E402
 
 
-def test_tiny_run_checks_times_and_writes_every_variant(tmp_path):
+def test_tiny_run_checks_times_and_writes_every_variant(tmp_path, monkeypatch):
     out = tmp_path / "e2e.json"
+    # --tiny turns config.rewrite_on_cpu on; monkeypatch puts it back for the other tests.
+    monkeypatch.setattr(fa2_inductor.config, "rewrite_on_cpu", fa2_inductor.config.rewrite_on_cpu)
     with torch._inductor.config.patch(force_disable_caches=True, **{"cpp.vec_isa_ok": False}):
         results = bench_e2e.main(["--tiny", "--seqlens", "16", "--warmup", "0", "--reps", "1", "--json", str(out)])
 
-    assert [r.variant for r in results] == [v.name for v in bench_e2e.VARIANTS]
+    names = [v.name for v in bench_e2e.VARIANTS]
+    assert [(r.phase, r.variant) for r in results] == [(p, n) for p in ("prefill", "decode") for n in names]
     for r in results:
-        assert r.error is None, f"{r.variant}: {r.error}"
+        assert r.error is None, f"{r.phase} {r.variant}: {r.error}"
         assert r.median_ms > 0 and r.max_abs_diff < 1e-4, r
     layers = bench_e2e.TINY_SHAPE["num_hidden_layers"]
-    assert {r.variant: r.rewrites for r in results if r.variant.startswith("fa2_inductor (")} == {
-        "fa2_inductor (eager attn)": layers,
-        "fa2_inductor (sdpa attn)": layers,
+    prefill_rewrites = {
+        r.variant: r.rewrites for r in results if r.phase == "prefill" and r.variant.startswith("fa2_inductor (")
     }
+    assert prefill_rewrites == {"fa2_inductor (eager attn)": layers, "fa2_inductor (sdpa attn)": layers}
     document = json.loads(out.read_text())
     assert len(document["results"]) == len(results) and document["model"]["num_hidden_layers"] == layers
