@@ -7,12 +7,16 @@ from .graph_pass import (
     ATTENTION_PASS,
     AttentionPass,
     ComposedPass,
-    find_sites,
+    match_site,
     with_attention_pass,
     without_attention_pass,
 )
 
 __all__ = [
-    "ATTENTION_PASS", "AttentionPass", "ComposedPass", "find_sites", "with_attention_pass",
+    "ATTENTION_PASS",
+    "AttentionPass",
+    "ComposedPass",
+    "match_site",
+    "with_attention_pass",
     "without_attention_pass",
 ]

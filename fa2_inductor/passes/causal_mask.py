@@ -28,7 +28,7 @@ def _subgraph(mask: fx.Node) -> Optional[list[fx.Node]]:
         node = stack.pop()
         if node in seen:
             continue
-        if node.op != "call_function":
+        if node.op not in ("call_function", "get_attr"):
             return None
         seen[node] = None
         stack.extend(node.all_input_nodes)
@@ -40,7 +40,7 @@ def _static(node: fx.Node) -> bool:
     value = node.meta.get("val")
     if isinstance(value, torch.Tensor):
         return all(isinstance(s, int) for s in value.shape)
-    return isinstance(value, (int, float, bool)) or value is None or isinstance(value, (list, tuple))
+    return node.op == "get_attr" or not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 def _on_cpu(arg):
@@ -49,7 +49,11 @@ def _on_cpu(arg):
 
 def _evaluate(nodes: list[fx.Node]) -> Optional[torch.Tensor]:
     values: dict[fx.Node, object] = {}
+    module = nodes[-1].graph.owning_module
     for node in nodes:
+        if node.op == "get_attr":
+            values[node] = getattr(module, node.target).cpu()
+            continue
         args = fx.map_arg(node.args, values.__getitem__)
         kwargs = {k: _on_cpu(v) for k, v in fx.map_arg(node.kwargs, values.__getitem__).items()}
         values[node] = node.target(*args, **kwargs)
@@ -65,38 +69,30 @@ def _attend_pattern(mask_value: torch.Tensor, negated: bool) -> Optional[torch.T
         return None
     zero = mask_value == 0
     blocked = mask_value.double() <= _NEGLIGIBLE_BIAS
-    if not bool((zero | blocked).all()):
-        return None
-    return zero
+    return zero if bool((zero | blocked).all()) else None
 
 
-def is_top_left_causal(mask: fx.Node, negated: bool, seq_q: int, seq_k: int) -> bool:
-    """True when ``mask`` (True/0 = attend) equals ``key <= query`` broadcast over every leading dim."""
+def mask_pattern(mask: fx.Node, negated: bool, seq_q, seq_k) -> Optional[str]:
+    """"causal" when ``mask`` (True/0 = attend) is ``key <= query`` at every leading index, "all" when
+    it hides nothing; None otherwise or when that cannot be proven."""
     value = tensor_val(mask)
     if value is None or value.dim() < 2 or not isinstance(seq_q, int) or not isinstance(seq_k, int):
-        return False
-    if value.numel() > _MAX_MASK_ELEMENTS or seq_k == 0:
-        return False
+        return None
+    if value.numel() > _MAX_MASK_ELEMENTS or seq_k == 0 or value.shape[-2:] != (seq_q, seq_k):
+        return None
     nodes = _subgraph(mask)
     if nodes is None or not all(_static(n) for n in nodes):
-        return False
+        return None
     # The pass runs under the graph's fake mode; the proof needs real (small, CPU) tensors.
     with torch.utils._python_dispatch._disable_current_modes():
-        return _matches_causal(nodes, negated, seq_q, seq_k)
-
-
-def _matches_causal(nodes: list[fx.Node], negated: bool, seq_q: int, seq_k: int) -> bool:
-    try:
-        concrete = _evaluate(nodes)
-    except Exception:  # an op we cannot run eagerly here: no proof, keep the mask
-        return False
-    if concrete is None:
-        return False
-    attend = _attend_pattern(concrete, negated)
-    if attend is None:
-        return False
-    causal = torch.ones(seq_q, seq_k, dtype=torch.bool).tril()
-    try:
-        return bool((attend == causal).all()) and attend.shape[-2:] == causal.shape
-    except RuntimeError:  # shapes do not broadcast
-        return False
+        try:
+            concrete = _evaluate(nodes)
+        except Exception:  # an op that cannot run eagerly here: no proof, the mask stays
+            return None
+        attend = None if concrete is None else _attend_pattern(concrete, negated)
+        if attend is None:
+            return None
+        if bool(attend.all()):
+            return "all"
+        causal = torch.ones(seq_q, seq_k, dtype=torch.bool).tril()
+        return "causal" if bool((attend == causal).all()) else None

@@ -15,7 +15,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from .. import _extension, config
 from . import report
-from .fx_utils import is_backward_node
+from .fx_utils import forward_users, is_backward_node
 from .match_sdpa import is_sdpa, match_sdpa
 from .match_softmax import attention_shaped, match_softmax_attention, softmax_at
 from .rewrite import backward_region, forward_region, rewrite_site
@@ -26,45 +26,60 @@ from .support import refusal_reason
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def find_sites(graph: fx.Graph) -> list[AttentionSite]:
-    sites = []
-    for node in graph.nodes:
-        if node.op != "call_function" or is_backward_node(node):
-            continue
-        if is_sdpa(node):
-            site = match_sdpa(node)
-        else:
-            softmax = softmax_at(node)
-            site = match_softmax_attention(softmax) if softmax is not None else None
-        if site is not None:
-            sites.append(site)
-    return sites
+def match_site(node: fx.Node) -> Optional[AttentionSite]:
+    """The attention site whose SDPA call or softmax is ``node``, if any."""
+    if node.op != "call_function" or is_backward_node(node):
+        return None
+    if is_sdpa(node):
+        return match_sdpa(node)
+    softmax = softmax_at(node)
+    return match_softmax_attention(softmax) if softmax is not None else None
 
 
 def _decide(site: AttentionSite) -> Optional[Any]:
     """Fills in the site's refusal, returns its backward region (joint graphs) when it is rewritten."""
     if site.refusal:
         return None
-    from .causal_mask import is_top_left_causal  # noqa: PLC0415 - keeps the pass import small
+    from .causal_mask import mask_pattern  # noqa: PLC0415 - keeps the pass import small
 
-    if site.mask is not None and not site.is_causal:
+    if site.mask is not None and not site.is_causal and not site.extra_masks:
         q_shape, k_shape = site.q.meta["val"].shape, site.k.meta["val"].shape
         seq_q = q_shape[1] if site.layouts["q"] == "bshd" else q_shape[-2]
         seq_k = k_shape[1] if site.layouts["k"] == "bshd" else k_shape[-2]
-        if is_top_left_causal(site.mask, site.mask_negated, seq_q, seq_k):
+        proven = mask_pattern(site.mask, site.mask_negated, seq_q, seq_k)
+        if proven == "causal":
             site.is_causal, site.mask = True, None
             site.notes.append("mask proven causal")
+        elif proven == "all":
+            site.mask = None
+            site.notes.append("mask proven all-visible")
     refused = refusal_reason(site)
     if refused:
         site.refuse(*refused)
         return None
     region = forward_region(site)
     site.forward_nodes = region
+    shared = [n for n in region if n is not site.anchor and any(u not in region for u in forward_users(n))]
+    inputs_of = _inputs_reaching(site, region)
+    if any(len(inputs_of[n]) > 1 for n in shared):  # scores or probabilities that someone else reads
+        site.refuse("intermediate_used_elsewhere")
+        return None
     backward = backward_region(site, region)
+    if backward is not None and shared:  # the shared view's backward would carry both users' gradients
+        backward = "training_shared_input"
     if isinstance(backward, str):
         site.refuse(backward)
         return None
     return backward
+
+
+def _inputs_reaching(site: AttentionSite, region: set) -> dict:
+    """For each region node, which of q, k, v it is computed from."""
+    reaching = {site.q: {"q"}, site.k: {"k"}, site.v: {"v"}}
+    for node in site.anchor.graph.nodes:
+        if node in region:
+            reaching[node] = set().union(*(reaching.get(a, set()) for a in node.all_input_nodes))
+    return reaching
 
 
 class AttentionPass(CustomGraphPass):
@@ -73,7 +88,11 @@ class AttentionPass(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         graph_kind = "training" if any(is_backward_node(n) for n in graph.nodes) else "inference"
         changed = False
-        for site in find_sites(graph):
+        # Matched one at a time, in graph order: a site fed by an earlier one sees it already rewritten.
+        for node in list(graph.nodes):
+            site = None if node._erased else match_site(node)
+            if site is None:
+                continue
             backward = _decide(site)
             if site.refusal is None:
                 rewrite_site(site, backward)

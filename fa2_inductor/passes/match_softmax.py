@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.fx as fx
 
 from .fx_utils import aten, forward_users, is_op, minus_infinity, prims, scalar_value, tensor_val
@@ -75,58 +76,64 @@ def _reaches_matmul(node: fx.Node, steps: int = 8) -> bool:
 
 @dataclass
 class _Scores:
-    matmul: BatchedMatmul
+    matmul: Optional[BatchedMatmul]
     factors: list  # (factor, divide) on the scores
-    mask: Optional[fx.Node]
-    mask_negated: bool
+    masks: list  # additive float masks (summed), or a single boolean one
+    mask_negated: bool = False
     refusal: Optional[str] = None
+    detail: str = ""
+
+
+def _is_bool(node) -> bool:
+    value = tensor_val(node)
+    return value is not None and value.dtype == torch.bool
 
 
 def _walk_up_scores(x: fx.Node) -> Optional[_Scores]:
-    """From the softmax input up to the q @ kᵀ matmul, collecting scale factors and one mask."""
-    factors, mask, negated = [], None, False
+    """From the softmax input up to the q @ kᵀ matmul, collecting scale factors and masks."""
+    scores = _Scores(None, [], [])
     for _ in range(16):
-        matmul = batched_matmul(x)
-        if matmul is not None:
-            return _Scores(matmul, factors, mask, negated)
+        scores.matmul = batched_matmul(x)
+        if scores.matmul is not None:
+            return scores
         scaled = _scale_factor(x)
         if is_op(x, prims.convert_element_type):
             x = x.args[0]
         elif scaled:
             x = scaled[0]
-            factors.append(scaled[1:])
+            scores.factors.append(scaled[1:])
         elif is_op(x, aten.add) and len(x.args) == 2 and all(isinstance(a, fx.Node) for a in x.args):
             a, b = x.args
             a_scores, b_scores = _reaches_matmul(a), _reaches_matmul(b)
             if a_scores == b_scores:
                 return None
-            refusal = _mask_order_refusal(factors, mask)
-            if refusal:
-                return _Scores(None, factors, mask, negated, refusal)
             x, mask = (a, b) if a_scores else (b, a)
+            if scores.factors or scores.mask_negated or any(_is_bool(m) for m in scores.masks):
+                return _refused(scores, "scale_after_mask" if scores.factors else "several_masks")
+            scores.masks.append(mask)
         elif is_op(x, aten.where) and len(x.args) == 3:
             condition, if_true, if_false = x.args
-            refusal = _mask_order_refusal(factors, mask)
-            if refusal and _reaches_matmul(x):
-                return _Scores(None, factors, mask, negated, refusal)
             if minus_infinity(if_false) and isinstance(if_true, fx.Node):
-                x, mask, negated = if_true, condition, False
+                x, negated = if_true, False
             elif minus_infinity(if_true) and isinstance(if_false, fx.Node):
-                x, mask, negated = if_false, condition, True
+                x, negated = if_false, True
             else:
-                return _Scores(None, factors, condition, False, "finite_fill_value") if _reaches_matmul(x) else None
+                return _refused(scores, "finite_fill_value") if _reaches_matmul(x) else None
+            if scores.factors or scores.masks:
+                return _refused(scores, "scale_after_mask" if scores.factors else "several_masks")
+            scores.masks, scores.mask_negated = [condition], negated
         else:
-            return None
+            transformed = any(_reaches_matmul(a) for a in x.all_input_nodes)
+            if not transformed:
+                return None
+            # tanh between scale and softmax is logit soft-capping (Gemma 2): not an attention the op computes.
+            return _refused(scores, "softcap" if is_op(x, aten.tanh) else "score_transform", str(x.target))
     return None
 
 
-def _mask_order_refusal(factors_above: list, mask) -> Optional[str]:
-    """Walking up, a mask must come before (i.e. be applied after) any scaling of the scores."""
-    if mask is not None:
-        return "several_masks"
-    if factors_above:
-        return "scale_after_mask"
-    return None
+def _refused(scores: _Scores, reason: str, detail: str = "") -> _Scores:
+    scores.refusal, scores.detail = reason, detail
+    return scores
 
 
 def _peel_operand(operand: Operand):
@@ -208,7 +215,7 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     if scores is None:
         return site.refuse("unrecognised_scores")
     if scores.refusal:
-        return site.refuse(scores.refusal)
+        return site.refuse(scores.refusal, scores.detail)
     if scores.matmul.batch_rank != pv.batch_rank:
         return site.refuse("unrecognised_layout", "rank")
     q_side, k_side = _peel_operand(scores.matmul.lhs), _peel_operand(scores.matmul.rhs)
@@ -227,7 +234,8 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
         return site.refuse("unrecognised_layout", f"q {q_dims}, kT {kt_dims}, v {v_dims}")
     site.q, site.k, site.v, site.layouts = q, k, v, layouts
     _record_scale(site, scores.factors, q_factors, k_factors)
-    site.mask, site.mask_negated = scores.mask, scores.mask_negated
+    site.mask = scores.masks[0] if scores.masks else None
+    site.extra_masks, site.mask_negated = scores.masks[1:], scores.mask_negated
     _map_repeated_kv(site)
     if _upcast(softmax):
         site.notes.append("float32 softmax")

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .fx_utils import aten, insert_call, is_backward_node, tensor_val
+from .fx_utils import aten, insert_call, is_backward_node, is_op, tensor_val
 from .site import BSHD, FLAT, AttentionSite
 
 _SWAP_HEADS_AND_SEQ = [0, 2, 1, 3]
@@ -50,6 +50,8 @@ def mask_value_in_op_layout(site: AttentionSite) -> Optional[torch.Tensor]:
     if site.mask is None or site.is_causal:
         return None
     mask = tensor_val(site.mask)
+    for extra in site.extra_masks:
+        mask = mask + tensor_val(extra)
     return mask.unsqueeze(1) if site.layouts["q"] == FLAT and mask.dim() == 3 else mask
 
 
@@ -109,7 +111,12 @@ def backward_region(site: AttentionSite, region: set):
     """The site's backward in a joint graph; None when there is none; a refusal reason when unusable."""
     seqs = {n.meta.get("seq_nr") for n in region if not is_backward_node(n)} - {None, -1}
     graph = site.anchor.graph
-    nodes = [n for n in graph.nodes if is_backward_node(n) and n.meta.get("seq_nr") in seqs]
+    tagged = [n for n in graph.nodes if is_backward_node(n) and n.meta.get("seq_nr") in seqs]
+    # Gradient accumulation for an input used elsewhere too can carry one of our seq_nrs; it sums
+    # gradients arriving from outside and is not part of this site's backward.
+    outside = set(tagged)
+    nodes = [n for n in tagged if not (is_op(n, aten.add) and any(
+        a not in outside and _carries_gradient(a) for a in n.all_input_nodes))]
     if not nodes:
         return None
     members = set(nodes)
@@ -174,6 +181,8 @@ def _mask_in_op_layout(graph: fx.Graph, site: AttentionSite) -> Optional[fx.Node
     if site.mask is None or site.is_causal:
         return None
     mask = site.mask
+    for extra in site.extra_masks:
+        mask = insert_call(graph, aten.add.Tensor, (mask, extra))
     if site.mask_negated:
         mask = insert_call(graph, aten.logical_not.default, (mask,))
     if site.layouts["q"] == FLAT and tensor_val(mask).dim() == 3:

@@ -27,6 +27,7 @@ class AttentionSite:
     symbolic_scale: list = field(default_factory=list)  # (node, divide) factors folded into q
     mask: Optional[fx.Node] = None
     mask_negated: bool = False  # the graph's mask marks the blocked positions
+    extra_masks: list = field(default_factory=list)  # more additive masks, summed into ``mask``
     is_causal: bool = False
     n_rep: int = 1  # K/V heads repeated in the graph and mapped back to native GQA
     forward_nodes: set = field(default_factory=set)  # the nodes the rewrite makes dead
