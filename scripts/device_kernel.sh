@@ -52,6 +52,10 @@ for l in warn[:5]:
     print("  ", l[:200])
 PY
   [ $rc -ne 0 ] && { tail -40 "$OUT/build.log"; exit 1; }
+  # Register the package (entry points: the "fa2_inductor" torch.compile backend) without
+  # rebuilding: an editable pure-Python install over the tree that now holds _C.
+  FA2_INDUCTOR_BUILD_CUDA=0 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . > "$LOGS/pip.log" 2>&1
+  note "editable install (entry points): rc=$?"
 fi
 python3 -m fa2_inductor.info | tee -a "$SUMMARY"
 
