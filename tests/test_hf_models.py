@@ -13,6 +13,7 @@ vectorised C++ is turned off because scalar kernels compile about twice as fast 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -35,14 +36,31 @@ CASES = [(name, impl, "padded") for name in FAMILIES for impl in IMPLS] + [
 ]
 
 
+@dataclass(frozen=True)
+class OpCall:
+    """What the pass handed the op at one site."""
+
+    k_heads: int
+    v_heads: int
+    has_mask: bool
+    is_causal: bool
+
+
 class CaptureOpCalls(CustomGraphPass):
-    """Records the fa2_inductor op nodes of each post-grad graph (after the fa2_inductor pass ran)."""
+    """Records the fa2_inductor op calls of each post-grad graph (after the fa2_inductor pass ran)."""
 
     def __init__(self):
-        self.nodes = []
+        self.calls: list[OpCall] = []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        self.nodes += [n for n in graph.nodes if n.op == "call_function" and n.target is FLASH_FWD]
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target is FLASH_FWD:
+                _q, k, v, attn_mask, _scale, is_causal = node.args
+                heads = (k.meta["val"].shape[1], v.meta["val"].shape[1])
+                self.calls.append(OpCall(*heads, attn_mask is not None, bool(is_causal)))
+
+    def __deepcopy__(self, memo):
+        return self  # Inductor deep-copies its config per compile; the records must land here
 
     def uuid(self):
         return None  # never cached: the tests disable Inductor's caches anyway
@@ -91,20 +109,19 @@ def test_compiled_model_rewrites_every_attention_site(compile_on_cpu, name, impl
         assert _refusals(family.refusal) == sites, dict(counters["fa2_inductor"])
     else:
         assert rewrites == sites, f"{name}/{impl}: {rewrites} of {sites} sites rewritten; {dict(counters['fa2_inductor'])}"
-        _check_op_arguments(compile_on_cpu.nodes, model.config, variant)
+        _check_op_arguments(compile_on_cpu.calls, sites, model.config, variant)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def _check_op_arguments(nodes, config, variant: str) -> None:
+def _check_op_arguments(calls: list[OpCall], sites: int, config, variant: str) -> None:
     """K/V keep their own heads (no repeat_kv copy); a mask-free causal model gets is_causal=True."""
+    assert len(calls) == sites, f"{len(calls)} op calls in the post-grad graphs for {sites} sites"
     kv_heads = getattr(config, "num_key_value_heads", None)
-    for node in nodes:
-        q, k, v, attn_mask, _scale, is_causal = node.args
+    for call in calls:
         if kv_heads is not None:
-            assert k.meta["val"].shape[1] == kv_heads, f"{node}: K was not mapped back to its {kv_heads} heads"
-            assert v.meta["val"].shape[1] == kv_heads
+            assert (call.k_heads, call.v_heads) == (kv_heads, kv_heads), f"{call}: K/V not mapped back to {kv_heads} heads"
         if variant == "causal":
-            assert attn_mask is None and is_causal, f"{node}: a provably causal mask must become is_causal=True"
+            assert not call.has_mask and call.is_causal, f"{call}: a provably causal mask must become is_causal=True"
 
 
 TRAINING_CASES = [("llama", "sdpa"), ("bert", "eager")]
