@@ -9,8 +9,8 @@ No torch.compile is needed: every attention layer calls ``torch.ops.fa2_inductor
 
 Masks: the model builds them exactly as for "sdpa" (boolean, True = attend, sliding windows included, or
 None when plain causal attention suffices). K/V are passed with their own heads (native GQA, no
-repeat). Attention dropout during training, and logit softcapping, are refused with an error that
-says what to use instead.
+repeat). Attention dropout during training, logit softcapping and attention sinks are refused with an
+error that says what to use instead.
 """
 
 from __future__ import annotations
@@ -58,6 +58,10 @@ def attention_forward(
         raise NotImplementedError(
             f"attn_implementation='{NAME}' does not support attention logit softcapping (softcap={softcap}); "
             "use attn_implementation='eager' for this model"
+        )
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(
+            f"attn_implementation='{NAME}' does not support attention sinks (s_aux); use 'eager' for this model"
         )
     seq_q, seq_k = query.shape[2], key.shape[2]
     if attention_mask is not None:

@@ -52,6 +52,20 @@ def test_every_attention_layer_runs_the_op_and_matches_eager(name):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
 
 
+def test_additive_4d_mask_is_used_as_given():
+    """A user's own float mask [B, 1, Sq, Sk] reaches the op unchanged, as it reaches eager attention."""
+    family = FAMILIES["llama"]
+    eager, model = family.build("eager"), family.build("fa2_inductor")
+    input_ids = family.make_inputs(eager.config, torch.device("cpu"))["input_ids"]
+    seq = input_ids.shape[1]
+    bias = torch.randn(2, 1, seq, seq, generator=torch.Generator().manual_seed(2))
+    bias = bias.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        expected = eager(input_ids=input_ids, attention_mask=bias).logits
+        got = model(input_ids=input_ids, attention_mask=bias).logits
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
 def test_softcapping_is_refused_with_a_reason():
     family = FAMILIES["gemma2"]
     model = family.build("fa2_inductor")
