@@ -87,7 +87,7 @@ class AttentionPass(CustomGraphPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         graph_kind = "training" if any(is_backward_node(n) for n in graph.nodes) else "inference"
-        changed = False
+        found_site = False
         # Matched one at a time, in graph order: a site fed by an earlier one sees it already rewritten.
         for node in list(graph.nodes):
             site = None if node._erased else match_site(node)
@@ -96,10 +96,10 @@ class AttentionPass(CustomGraphPass):
             backward = _decide(site)
             if site.refusal is None:
                 rewrite_site(site, backward)
-                changed = True
+            found_site = True
             report.record(site, graph_kind)
-        changed |= self._shield_non_last_dim_softmax(graph)
-        if changed:
+        # Rewrites leave the replaced nodes dead, and so may a refused site's matcher.
+        if self._shield_non_last_dim_softmax(graph) or found_site:
             graph.eliminate_dead_code()
 
     @staticmethod

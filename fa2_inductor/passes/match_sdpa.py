@@ -6,9 +6,10 @@ import math
 import operator
 from typing import Optional
 
+import torch
 import torch.fx as fx
 
-from .fx_utils import aten, tensor_val
+from .fx_utils import aten, insert_call, prims, tensor_val
 from .site import BHSD, AttentionSite
 from .views import repeated_heads
 
@@ -52,6 +53,16 @@ def _output(node: fx.Node) -> Optional[fx.Node]:
     return outs[0] if len(outs) == 1 else None
 
 
+def _inverse_sqrt_head_dim(sdpa: fx.Node, q: fx.Node) -> fx.Node:
+    """SDPA's default scale for a symbolic head dim, as a 0-d float32 tensor (folded into q)."""
+    graph = sdpa.graph
+    with graph.inserting_before(sdpa):
+        head_dim = insert_call(graph, aten.sym_size.int, (q, 3))
+        as_tensor = insert_call(graph, aten.scalar_tensor.default, (head_dim,), {"dtype": torch.float64})
+        inverse = insert_call(graph, aten.rsqrt.default, (as_tensor,))
+        return insert_call(graph, prims.convert_element_type.default, (inverse, torch.float32))
+
+
 def match_sdpa(node: fx.Node) -> Optional[AttentionSite]:
     anchor = _output(node)
     if anchor is None:
@@ -66,11 +77,10 @@ def match_sdpa(node: fx.Node) -> Optional[AttentionSite]:
     site.layouts = {"q": BHSD, "k": BHSD, "v": BHSD, "out": BHSD}
     head_dim = tensor_val(q).shape[-1]
     scale = args.get("scale")
-    if scale is None:
-        if not isinstance(head_dim, int):
-            return site.refuse("symbolic_head_dim")
-        scale = 1.0 / math.sqrt(head_dim)
-    site.scale = float(scale)
+    if scale is None and not isinstance(head_dim, int):
+        site.symbolic_scale = [(_inverse_sqrt_head_dim(node, q), False)]
+        scale = 1.0
+    site.scale = float(1.0 / math.sqrt(head_dim) if scale is None else scale)
     site.mask = args.get("attn_mask", args.get("attn_bias"))
     site.is_causal = bool(args.get("is_causal", False))
     k_rep, v_rep = repeated_heads(k), repeated_heads(v)

@@ -48,29 +48,45 @@ def softmax_at(node: fx.Node) -> Optional[Softmax]:
     return Softmax(x, node, dims.pop())
 
 
+def _scalar_factor(arg):
+    """A number, a SymFloat node, or a 0-d floating tensor node (dynamic shapes give ``1/sqrt(d)`` so)."""
+    value = tensor_val(arg)
+    if value is not None:
+        return arg if value.dim() == 0 and value.dtype.is_floating_point else None
+    return scalar_value(arg)
+
+
 def _scale_factor(node: fx.Node):
     """(input, factor, divide) for ``input * c`` or ``input / c`` with a scalar c."""
-    if is_op(node, aten.mul, aten.div) and len(node.args) == 2 and isinstance(node.args[0], fx.Node):
-        factor = scalar_value(node.args[1])
+    if not is_op(node, aten.mul, aten.div) or len(node.args) != 2:
+        return None
+    x, c = node.args
+    if isinstance(x, fx.Node) and tensor_val(x) is not None and tensor_val(x).dim() > 0:
+        factor = _scalar_factor(c)
         if factor is not None:
-            return node.args[0], factor, is_op(node, aten.div)
-    if is_op(node, aten.mul) and isinstance(node.args[1], fx.Node):
-        factor = scalar_value(node.args[0])
+            return x, factor, is_op(node, aten.div)
+    if is_op(node, aten.mul) and isinstance(c, fx.Node) and tensor_val(c) is not None and tensor_val(c).dim() > 0:
+        factor = _scalar_factor(x)
         if factor is not None:
-            return node.args[1], factor, False
+            return c, factor, False
     return None
 
 
 def _reaches_matmul(node: fx.Node, steps: int = 8) -> bool:
+    """A batched matmul lies above ``node`` through elementwise ops (what scores go through)."""
     for _ in range(steps):
         if batched_matmul(node) is not None:
             return True
-        if is_op(node, prims.convert_element_type) or _scale_factor(node):
-            node = node.args[0] if not _scale_factor(node) else _scale_factor(node)[0]
-        elif is_op(node, aten.add, aten.where) and node.args:
-            return any(_reaches_matmul(a, steps - 1) for a in node.args if isinstance(a, fx.Node))
-        else:
+        scaled = _scale_factor(node)
+        if scaled:
+            node = scaled[0]
+            continue
+        tensor_inputs = [a for a in node.all_input_nodes if tensor_val(a) is not None]
+        if is_op(node, aten.add, aten.where):
+            return any(_reaches_matmul(a, steps - 1) for a in tensor_inputs)
+        if len(tensor_inputs) != 1 or tensor_val(node) is None:
             return False
+        node = tensor_inputs[0]
     return False
 
 
@@ -164,11 +180,34 @@ def _walk_down_probs(softmax: Softmax):
         if is_op(user, aten.mul):
             other = [a for a in user.args if a is not node]
             return "dropout_active" if other and _is_random(other[0]) else "probs_modified"
+        if _zeroes_empty_rows(user, node, softmax.input):
+            node = user  # SDPA's safe softmax: rows with no visible key give 0, as the op does
+            chain.append(node)
+            continue
         if not is_op(user, *_PROBS_PASSTHROUGH):
             return "probs_modified" if is_op(user, aten.add, aten.sub, aten.div, aten.where) else None
         node = user
         chain.append(node)
     return None
+
+
+def _zeroes_empty_rows(node: fx.Node, probs: fx.Node, scores: fx.Node) -> bool:
+    """``where(no_key_visible(scores), 0, probs)``: the condition must be computed from the scores alone."""
+    if not (is_op(node, aten.where) and len(node.args) == 3 and node.args[2] is probs):
+        return False
+    condition, zero = node.args[0], node.args[1]
+    if not (zero == 0 or (is_op(zero, aten.full, aten.scalar_tensor) and zero.args[-1] == 0)):
+        return False
+    ancestors, stack = set(), [condition]
+    while stack:
+        n = stack.pop()
+        if n is scores or n in ancestors:
+            continue
+        if n.op != "call_function" or len(ancestors) > 8:
+            return False
+        ancestors.add(n)
+        stack.extend(n.all_input_nodes)
+    return True
 
 
 def _is_random(node, depth: int = 4) -> bool:

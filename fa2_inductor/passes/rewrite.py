@@ -91,7 +91,7 @@ def _gradient_owner_keys(start: fx.Node, region: set) -> set:
         if len(users) != 1:
             return keys
         user = users[0]
-        if len(user.all_input_nodes) != 1:
+        if len([a for a in user.all_input_nodes if tensor_val(a) is not None]) != 1:  # sizes may be nodes too
             if not keys:
                 keys.add((user.meta.get("seq_nr"), user.args.index(node) if node in user.args else None))
             return keys
@@ -119,7 +119,8 @@ def backward_region(site: AttentionSite, region: set):
         a not in outside and _carries_gradient(a) for a in n.all_input_nodes))]
     if not nodes:
         return None
-    members = set(nodes)
+    members = _with_untagged_links(graph, nodes, region)
+    nodes = [n for n in graph.nodes if n in members]
     forward = region | {n for n in graph.nodes if not is_backward_node(n) and n.meta.get("seq_nr") in seqs}
     grad_inputs = {
         a for n in nodes for a in n.all_input_nodes
@@ -140,6 +141,22 @@ def backward_region(site: AttentionSite, region: set):
             return "training_gradient_unmapped"
         grads[owners[0]] = node
     return BackwardRegion(nodes, grad_inputs.pop(), grads)
+
+
+def _with_untagged_links(graph: fx.Graph, nodes: list, region: set) -> set:
+    """Adds nodes that some later pass created without a seq_nr (e.g. dynamic shapes' scalar division)
+    but that only link our backward nodes to each other."""
+    members = set(nodes)
+    grew = True
+    while grew:
+        grew = False
+        for node in graph.nodes:
+            if node in members or node in region or node.op != "call_function" or not node.users:
+                continue
+            if any(a in members for a in node.all_input_nodes) and all(u in members for u in node.users):
+                members.add(node)
+                grew = True
+    return members
 
 
 def _carries_gradient(node: fx.Node) -> bool:

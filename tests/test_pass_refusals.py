@@ -1,0 +1,132 @@
+"""What the pass must leave alone: each refusal is counted with its reason and compiled == eager."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import fa2_inductor
+from tests.pass_checks import compile_and_compare, pass_counts, qkv
+
+D = 16
+
+
+@pytest.fixture
+def cpu_pass(monkeypatch):
+    monkeypatch.setattr(fa2_inductor.config, "rewrite_on_cpu", True)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
+    torch._dynamo.reset()
+
+
+def _scores(q, k):
+    return q @ k.transpose(-2, -1) / math.sqrt(D)
+
+
+def _softmax_over_queries(q, k, v):
+    return _scores(q, k).softmax(dim=-2) @ v
+
+
+def _returns_weights(q, k, v):
+    probs = _scores(q, k).softmax(-1)
+    return probs @ v, probs
+
+
+def _returns_scores(q, k, v):
+    scores = _scores(q, k)
+    return scores.softmax(-1) @ v, scores
+
+
+def _active_dropout(q, k, v):
+    return F.dropout(_scores(q, k).softmax(-1), p=0.3, training=True) @ v
+
+
+def _softcap(q, k, v):
+    return (torch.tanh(_scores(q, k) / 50.0) * 50.0).softmax(-1) @ v
+
+
+def _scale_after_mask(q, k, v):
+    bias = torch.zeros(q.shape[-2], k.shape[-2])
+    return ((q @ k.transpose(-2, -1) + bias) * D**-0.5).softmax(-1) @ v
+
+
+def _finite_fill(q, k, v):
+    visible = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    return _scores(q, k).masked_fill(~visible, -1e4).softmax(-1) @ v
+
+
+def _sdpa_dropout(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+
+
+REFUSED = {
+    "softmax_not_last_dim": (_softmax_over_queries, {}),
+    "probs_used_elsewhere": (_returns_weights, {}),
+    "intermediate_used_elsewhere": (_returns_scores, {}),
+    "softcap": (_softcap, {}),
+    "scale_after_mask": (_scale_after_mask, {}),
+    "finite_fill_value": (_finite_fill, {}),
+    "dtype": (lambda q, k, v: _scores(q, k).softmax(-1) @ v, {"dtype": torch.float64}),
+}
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("reason", REFUSED)
+def test_refused_and_counted(cpu_pass, reason, train):
+    fn, make = REFUSED[reason]
+    compile_and_compare(fn, *qkv(train=train, **make), rewrites=0, train=train)
+    assert pass_counts() == {f"refused:{reason}": 1}
+
+
+def test_active_dropout_is_refused(cpu_pass):
+    """Random, so only the refusal and the absence of the op are checked, not values."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(_active_dropout, backend="fa2_inductor")(*qkv(train=True))
+    assert pass_counts() == {"refused:dropout_active": 1}
+
+
+def test_sdpa_with_dropout_is_refused(cpu_pass):
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(_sdpa_dropout, backend="fa2_inductor")(*qkv())
+    assert pass_counts() == {"refused:dropout_active": 1}
+
+
+def test_value_head_dim_differs(cpu_pass):
+    q, k, _ = qkv()
+    v = torch.randn(2, 4, 8, 32)
+    compile_and_compare(lambda q, k, v: _scores(q, k).softmax(-1) @ v, q, k, v, rewrites=0)
+    assert pass_counts() == {"refused:not_computable": 1}
+
+
+def test_cpu_left_alone_by_default():
+    assert fa2_inductor.config.rewrite_on_cpu is False
+    with torch._inductor.config.patch(force_disable_caches=True):
+        compile_and_compare(lambda q, k, v: _scores(q, k).softmax(-1) @ v, *qkv(), rewrites=0)
+    assert pass_counts() == {"refused:cpu_device": 1}
+
+
+def test_softmax_without_matmuls_is_not_a_site(cpu_pass):
+    compile_and_compare(lambda x, y, z: (x * 2).softmax(-1) + y - z, *qkv(), rewrites=0)
+    assert pass_counts() == {}
+
+
+def test_inductor_fuse_attention_bug_guarded(cpu_pass):
+    """pytorch issue 196468: Inductor rewrites softmax(dim=-2) attention as dim=-1 attention.
+
+    The fa2_inductor backend, and the default backend with the pass enabled, must match eager.
+    """
+    q, k, v = qkv(seq_q=16, seq_k=16)
+    expected = _softmax_over_queries(q, k, v)
+    torch._dynamo.reset()
+    got = torch.compile(_softmax_over_queries, backend="fa2_inductor")(q, k, v)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    with fa2_inductor.enabled():
+        got = torch.compile(_softmax_over_queries)(q, k, v)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
