@@ -7,8 +7,8 @@
 No torch.compile is needed: every attention layer calls ``torch.ops.fa2_inductor.flash_attention_fwd``
 (the Hopper kernel on CUDA, the reference elsewhere). transformers is imported only by ``register()``.
 
-Masks: the model builds them exactly as for "sdpa" (boolean, True = attend, sliding windows included, or
-None when plain causal attention suffices). K/V are passed with their own heads (native GQA, no
+Masks: the model builds them as for "sdpa" (boolean, True = attend, sliding windows included), except that
+a mask which is causal by construction is left out (None + is_causal) even under torch.compile. K/V are passed with their own heads (native GQA, no
 repeat). Attention dropout during training, logit softcapping and attention sinks are refused with an
 error that says what to use instead.
 """
@@ -28,11 +28,34 @@ NAME = "fa2_inductor"
 def register() -> None:
     """Makes ``attn_implementation="fa2_inductor"`` available to every transformers model (idempotent)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, attention_forward)
     # Without a mask function of its own, transformers would hand a custom implementation no mask at all.
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, build_mask)
+
+
+def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, **kwargs) -> Optional[Tensor]:
+    """transformers' SDPA mask (bool, True = attend), or None where plain causal attention is all it says.
+
+    transformers always materialises the mask while tracing (torch.compile); here a mask that is causal
+    by construction (no padding mask given, no window or other pattern, no offsets) stays None even then,
+    so the kernel, which takes no mask, runs with is_causal=True.
+    """
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    plain_causal = (
+        kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+        and kwargs.get("attention_mask") is None
+        and kwargs.get("local_size") is None
+        and kwargs.get("allow_is_causal_skip", True)
+        and isinstance(q_offset, int) and isinstance(kv_offset, int)
+        and q_offset == kv_offset == 0
+        and q_length == kv_length
+    )
+    if plain_causal:
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, **kwargs)
 
 
 def attention_forward(

@@ -108,3 +108,24 @@ def test_generate_with_kv_cache_and_left_padding_matches_eager():
         with torch.no_grad():
             tokens.append(model.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=0))
     torch.testing.assert_close(tokens[1], tokens[0])
+
+
+@pytest.mark.parametrize("name, plain_causal", [("llama", True), ("mistral", False)])
+def test_compiled_causal_mask_stays_implicit(name, plain_causal):
+    """Under torch.compile transformers materialises masks; a plain causal one must stay None + is_causal."""
+    calls = []
+
+    def record_op_args(gm, example_inputs):
+        calls.extend(n.args for n in gm.graph.nodes if n.op == "call_function" and n.target is FLASH_FWD)
+        return gm.forward
+
+    family = FAMILIES[name]
+    model = family.build("fa2_inductor")
+    input_ids = family.make_inputs(model.config, torch.device("cpu"))["input_ids"]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=record_op_args)(input_ids=input_ids)
+    assert len(calls) == family.count_attention_sites(model.config)
+    for _q, _k, _v, attn_mask, _scale, is_causal in calls:
+        # Mistral's sliding window (6 < 12 tokens) is a real mask.
+        assert (attn_mask is None and is_causal) == plain_causal
