@@ -29,10 +29,24 @@ def _capability(index: int) -> tuple:
     return torch.cuda.get_device_capability(index)
 
 
+def _data_ptr(t: Tensor) -> Optional[int]:
+    """The address, or None for tensors without real storage (fake/functional tensors while
+    torch.compile traces or a graph pass inspects node metadata); the op re-checks at run time."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(t, FakeTensor) or torch._is_functional_tensor(t):
+        return None
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return None
+
+
 def _layout_reason(name: str, t: Tensor) -> Optional[str]:
     if t.stride(-1) != 1 and t.shape[-1] != 1:
         return f"{name} last dim not contiguous"
-    if t.data_ptr() % 16 != 0:
+    ptr = _data_ptr(t)
+    if ptr is not None and ptr % 16 != 0:
         return f"{name} not 16-byte aligned"
     for dim in range(3):
         if t.shape[dim] > 1 and (t.stride(dim) <= 0 or t.stride(dim) % 8 != 0):
