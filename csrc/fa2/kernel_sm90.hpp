@@ -17,7 +17,7 @@ using namespace cute;
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
 fwd_kernel_sm90(CUTE_GRID_CONSTANT const KernelArgs<Traits> args) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma/setmaxnreg exist only in the sm_90a target
   using T = Traits;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
@@ -73,6 +73,9 @@ fwd_kernel_sm90(CUTE_GRID_CONSTANT const KernelArgs<Traits> args) {
     softmax.finalize(o_rc, lse, args.scale);
     epilogue_store<T>(args, smem, tOrO, lse, tid, m_block, head, batch);
   }
+#elif defined(__CUDA_ARCH__)
+  // Built for another target (e.g. plain sm_90 added by TORCH_CUDA_ARCH_LIST): fail loudly.
+  __trap();
 #endif
 }
 
