@@ -100,6 +100,9 @@ def cuda_extension_kwargs() -> dict:
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     _bound_max_jobs()
+    # Only sm_90a: without this torch adds a plain sm_90 target for the GPU it sees, which doubles the
+    # compile and cannot hold wgmma/setmaxnreg code.
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
     sources, defines = selected_instantiations()
     nvcc_flags = [
         "-gencode=arch=compute_90a,code=sm_90a",
