@@ -29,10 +29,11 @@ from tests.hf_families import FAMILIES, Family, model_output  # noqa: E402
 
 FLASH_FWD = torch.ops.fa2_inductor.flash_attention_fwd.default
 IMPLS = ("eager", "sdpa")
-# Variants: the family's own inputs (padding masks where the family has them), and Llama with no mask
-# at all, whose mask HF builds as a pure causal one.
+# Variants: the family's own inputs (right padding where the family has a padding mask); Llama with no
+# mask at all, whose mask HF builds as a pure causal one; Llama with left padding, whose padded query rows
+# see no key at all (eager gives them finite values: the compiled model must too).
 CASES = [(name, impl, "padded") for name in FAMILIES for impl in IMPLS] + [
-    ("llama", impl, "causal") for impl in IMPLS
+    ("llama", impl, variant) for variant in ("causal", "left_padded") for impl in IMPLS
 ]
 
 
@@ -84,6 +85,8 @@ def _inputs(family: Family, config, variant: str) -> dict:
     inputs = family.make_inputs(config, torch.device("cpu"))
     if variant == "causal":
         del inputs["attention_mask"]
+    if variant == "left_padded":
+        inputs["attention_mask"] = inputs["attention_mask"].flip(-1)
     return inputs
 
 
