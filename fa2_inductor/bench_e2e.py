@@ -2,7 +2,7 @@
 
 A random-weight Llama (hidden 2048, 16 heads, 8 KV heads, 4 layers, bf16) runs, in every variant below and
 in the same process, a forward pass over ``--seqlens`` tokens (prefill; batch 1, no padding) and one decode
-step (1 token against a static KV cache of that many tokens). Each is checked against uncompiled SDPA,
+step (1 token against a KV cache of that many tokens, static and dynamic). Each is checked against uncompiled SDPA,
 then timed (median of ``--reps``):
 
     eager                      attn_implementation="eager", no compile
@@ -34,6 +34,7 @@ from . import hf
 from .bench import environment, time_calls, write_json
 
 BASELINE = "sdpa + Inductor"
+PHASES = ("prefill", "decode", "decode_dynamic")
 
 
 @dataclass(frozen=True)
@@ -84,20 +85,27 @@ def build_model(shape: dict, attn_implementation: str, dtype: torch.dtype, devic
 
 
 class Workload:
-    """One phase at one length: the call to time, and the uncompiled SDPA logits it must reproduce."""
+    """One phase at one length: the call to time, and the uncompiled SDPA logits it must reproduce.
+
+    Decode phases run one new token against a KV cache already holding seqlen tokens: a StaticCache
+    ("decode", the cache transformers compiles with; its mask depends on the cache position at run time)
+    or a DynamicCache ("decode_dynamic": the keys are exactly the filled ones). Each call first rewinds
+    the cache to seqlen tokens (the same cheap step in every variant), so every timed step sees the same state.
+    """
 
     def __init__(self, phase: str, shape: dict, dtype, device, seqlen: int):
-        from transformers import StaticCache
+        from transformers import DynamicCache, StaticCache
 
         self.phase, self.seqlen = phase, seqlen
         ids = torch.randint(0, shape["vocab_size"], (1, seqlen + 1), generator=torch.Generator().manual_seed(1))
         ids = ids.to(device)
         reference_model = build_model(shape, "sdpa", dtype, device, seqlen + 1)
         self.kwargs = {"input_ids": ids[:, :seqlen]}
-        if phase == "decode":
-            # A static cache holding seqlen tokens. Each call rewinds it to seqlen first (four in-place
-            # fills, the same in every variant), so every timed step writes the same slot and sees the same state.
-            self.cache = StaticCache(config=reference_model.config, max_cache_len=seqlen + 1)
+        if phase != "prefill":
+            if phase == "decode":
+                self.cache = StaticCache(config=reference_model.config, max_cache_len=seqlen + 1)
+            else:
+                self.cache = DynamicCache(config=reference_model.config)
             with torch.no_grad():
                 reference_model(input_ids=ids[:, :seqlen], past_key_values=self.cache, use_cache=True)
             position = torch.tensor([seqlen], device=device)
@@ -109,6 +117,8 @@ class Workload:
         if self.phase == "decode":
             for layer in self.cache.layers:
                 layer.cumulative_length.fill_(self.seqlen)
+        elif self.phase == "decode_dynamic":
+            self.cache.crop(self.seqlen)
         return forward(**self.kwargs).logits
 
 
@@ -137,7 +147,7 @@ def format_table(results: list[Result]) -> str:
     for phase, seqlen in dict.fromkeys((r.phase, r.seqlen) for r in results):
         rows = [r for r in results if (r.phase, r.seqlen) == (phase, seqlen)]
         base = next((r.median_ms for r in rows if r.variant == BASELINE and r.median_ms), None)
-        title = f"{seqlen} tokens" if phase == "prefill" else f"decode 1 token after {seqlen}"
+        title = f"{seqlen} tokens" if phase == "prefill" else f"1 token after {seqlen}"
         lines.append(f"\n{phase}: {title}")
         lines.append(f"{'variant':<28}{'ms':>10}{'vs ' + BASELINE:>22}{'rewrites':>10}{'max|Δlogits|':>14}")
         for r in rows:
@@ -153,7 +163,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", type=int, nargs="+", help="default: 2048 8192 (16 32 with --tiny)")
     parser.add_argument("--variants", nargs="+", choices=[v.name for v in VARIANTS], default=[v.name for v in VARIANTS])
-    parser.add_argument("--phases", nargs="+", choices=("prefill", "decode"), default=["prefill", "decode"])
+    parser.add_argument(
+        "--phases", nargs="+", choices=PHASES, default=list(PHASES), help="decode: static KV cache; decode_dynamic: DynamicCache"
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", type=Path, default=Path("bench_e2e.json"))
