@@ -1,9 +1,9 @@
 """``python -m fa2_inductor.bench_e2e``: forward time of a whole Llama-shaped model, fa2_inductor against its peers.
 
-A random-weight Llama (hidden 2048, 16 heads, 8 KV heads, 4 layers, bf16) runs, in every variant below and
-in the same process, a forward pass over ``--seqlens`` tokens (prefill; batch 1, no padding) and one decode
-step (1 token against a KV cache of that many tokens, static and dynamic). Each is checked against uncompiled SDPA,
-then timed (median of ``--reps``):
+A random-weight Llama (hidden 2048, 16 heads, 8 KV heads, 4 layers, bf16) runs, in every variant below
+and in the same process, a forward pass over ``--seqlens`` tokens (prefill; batch 1, no padding) and one
+decode step (1 token against a static or a dynamic KV cache of that many tokens). Each is checked against
+uncompiled SDPA, then timed (median of ``--reps``):
 
     eager                      attn_implementation="eager", no compile
     eager-attn + Inductor      "eager",  torch.compile(backend="inductor")
@@ -14,8 +14,9 @@ then timed (median of ``--reps``):
     fa2_inductor interface     attn_implementation="fa2_inductor" (fa2_inductor.hf), no compile
 
 It prints ms and the ratio to "sdpa + Inductor" per phase and length, with how many attention sites the
-pass rewrote (decode steps must never be slower than plain Inductor), and writes everything to ``--json``. ``--tiny`` runs a 2-layer float32 model on CPU with
-the pass enabled there (``config.rewrite_on_cpu``), which is what the test uses.
+pass rewrote (decode steps must never be slower than plain Inductor), and writes everything to ``--json``.
+``--tiny`` runs a 2-layer float32 model on CPU with the pass enabled there (``config.rewrite_on_cpu``),
+which is what the test uses.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ No torch.compile is needed: every attention layer calls ``torch.ops.fa2_inductor
 (the Hopper kernel on CUDA, the reference elsewhere). transformers is imported only by ``register()``.
 
 Masks: the model builds them as for "sdpa" (boolean, True = attend, sliding windows included), except that
-a mask which is causal by construction is left out (None + is_causal) even under torch.compile. K/V are passed with their own heads (native GQA, no
-repeat). Attention dropout during training, logit softcapping and attention sinks are refused with an
-error that says what to use instead.
+a mask which is causal by construction is left out (None + is_causal), even under torch.compile. K/V keep
+their own heads (native GQA, no repeat). Attention dropout during training, logit softcapping and
+attention sinks are refused with an error that says what to use instead.
 """
 
 from __future__ import annotations
