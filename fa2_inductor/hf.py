@@ -40,7 +40,7 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
 
     transformers always materialises the mask while tracing (torch.compile); here a mask that is causal
     by construction (no padding mask given, no window or other pattern, no offsets) stays None even then,
-    so the kernel, which takes no mask, runs with is_causal=True.
+    so the kernel runs its mask-free causal path.
     """
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
