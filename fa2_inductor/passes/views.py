@@ -42,24 +42,24 @@ def _is_unit_view(node: fx.Node) -> bool:
     return same_shape(a, b)
 
 
-def strip_views(node: fx.Node) -> tuple[fx.Node, list[Optional[int]]]:
-    """(source, dims): ``node`` shows ``source`` through permutes and size-1 dims.
+def strip_views(node: fx.Node, unit_views: bool = True) -> tuple[fx.Node, list[Optional[int]]]:
+    """(source, dims): ``node`` shows ``source`` through permutes and (if ``unit_views``) size-1 dims.
 
     ``dims[i]`` is the source dim that ``node``'s dim i shows, or None for an inserted size-1 dim.
     """
     if not isinstance(node, fx.Node) or tensor_val(node) is None:
         return node, []
     if _is_identity(node):
-        return strip_views(node.args[0])
+        return strip_views(node.args[0], unit_views)
     if is_op(node, aten.permute):
-        source, dims = strip_views(node.args[0])
+        source, dims = strip_views(node.args[0], unit_views)
         return source, [dims[i] for i in node.args[1]]
-    if is_op(node, aten.unsqueeze):
-        source, dims = strip_views(node.args[0])
+    if is_op(node, aten.unsqueeze) and unit_views:
+        source, dims = strip_views(node.args[0], unit_views)
         at = node.args[1] % (len(dims) + 1)
         return source, dims[:at] + [None] + dims[at:]
-    if _is_unit_view(node):
-        source, dims = strip_views(node.args[0])
+    if unit_views and _is_unit_view(node):
+        source, dims = strip_views(node.args[0], unit_views)
         src_shape = tensor_val(node.args[0]).shape
         kept = iter([dims[i] for i in _non_unit(src_shape)])
         return source, [None if same_size(s, 1) else next(kept) for s in tensor_val(node).shape]
@@ -108,37 +108,52 @@ class BatchedMatmul:
 
 
 def _operand(bmm_arg: fx.Node, rank: int) -> Optional[Operand]:
-    source, dims = strip_views(bmm_arg)
+    node = bmm_arg
+    while _is_identity(node):
+        node = node.args[0]
     if rank > 3:
-        merged = _merged_batch_source(source, rank)
+        merged = _merged_batch_source(node, rank)
         if merged is None:
             return None
-        flattened, kept = merged
-        source, flat_dims = strip_views(flattened)
-        dims = [flat_dims[i] for i in kept]
-    if None in dims or len(set(dims)) != rank or tensor_val(source).dim() != rank:
-        return None
-    return Operand(source, dims)
+        node, kept = merged
+    else:
+        kept = [0, 1, 2]
+    # Through size-1 views first (einsum); without them when that leaves a tensor of another rank
+    # (e.g. MQA's [B, 1, G, S, D] -> [B, G, S, D] repeat, which must stay the operand).
+    for unit_views in (True, False):
+        source, source_dims = strip_views(node, unit_views)
+        dims = [source_dims[i] for i in kept]
+        if None not in dims and len(set(dims)) == rank and tensor_val(source).dim() == rank:
+            return Operand(source, dims)
+    if rank == 3:  # e.g. a [1, H, S, D] tensor seen as [H, S, D]
+        return Operand(node, [0, 1, 2])
+    return None
+
+
+def _split_dims(shape, bmm_shape) -> Optional[list[int]]:
+    """Dims of a view of a ``[N, M, K]`` bmm output that are (batch..., M, K); others have size 1."""
+    for kept in (list(range(len(shape))), _non_unit(shape)):  # plain split first, then einsum's extra 1s
+        sizes = [shape[i] for i in kept]
+        if len(sizes) >= 3 and same_shape(sizes[-2:], bmm_shape[1:]) and same_size(_product(sizes[:-2]), bmm_shape[0]):
+            return kept
+    return None
 
 
 def batched_matmul(node: fx.Node) -> Optional[BatchedMatmul]:
     """Recognises ``node`` as the output of a logical batched matmul, or returns None."""
     source, dims = strip_views(node)
-    if is_op(source, aten.bmm):
+    rank = tensor_val(node).dim()
+    if is_op(source, aten.bmm) and rank > 3 and dims == [None] * (rank - 3) + [0, 1, 2]:
+        bmm = source  # a batch of 1 x H: the split of N into batch dims is a unit view
+    elif is_op(source, aten.bmm):
         bmm, rank = source, 3
     elif is_op(source, aten.view, aten._unsafe_view, aten.reshape) and is_op(source.args[0], aten.bmm):
         bmm = source.args[0]
-        shape = tensor_val(source).shape
-        kept = _non_unit(shape)
+        shape, bmm_shape = tensor_val(source).shape, tensor_val(bmm).shape
+        kept = _split_dims(shape, bmm_shape)
+        if kept is None or [d for d in dims if d is not None] != kept:
+            return None
         rank = len(kept)
-        out_dims = [shape[i] for i in kept]
-        if rank < 3 or not same_shape(out_dims[-2:], tensor_val(bmm).shape[1:]):
-            return None
-        if not same_size(_product(out_dims[:-2]), tensor_val(bmm).shape[0]):
-            return None
-        dims = [d for d in dims if d is not None]
-        if dims != kept:
-            return None
     else:
         return None
     if rank == 3 and [d for d in dims if d is not None] != [0, 1, 2]:
