@@ -15,16 +15,25 @@
 namespace {
 
 using RunFn = cudaError_t (*)(const fa2::FwdParams&, cudaStream_t);
+using TileFn = void (*)(int*, int*);
 
 struct KernelEntry {
   int head_dim;
   fa2::DType dtype;
   const char* dtype_name;
-  RunFn run[2];  // [causal]
+  RunFn run[2];         // [causal]
+  RunFn run_masked[2];  // [0: bool mask, 1: additive mask]
+  TileFn masked_tile;   // (block_m, block_n) of the masked kernels
 };
 
-#define FA2_ENTRY(D, DT, NAME) \
-  KernelEntry{D, fa2::DType::DT, NAME, {&fa2::run_fwd<D, fa2::DType::DT, false>, &fa2::run_fwd<D, fa2::DType::DT, true>}},
+// The masked instantiations (fwd_hdim{D}_{dtype}_mask{bool,add}.cu) share the prefix setup.py
+// selects by, so they are always built together with the unmasked ones.
+#define FA2_ENTRY(D, DT, NAME)                                                                    \
+  KernelEntry{D, fa2::DType::DT, NAME,                                                            \
+              {&fa2::run_fwd<D, fa2::DType::DT, false>, &fa2::run_fwd<D, fa2::DType::DT, true>}, \
+              {&fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kBool>,                     \
+               &fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kAdditive>},                \
+              &fa2::masked_tile_shape<D, fa2::DType::DT>},
 
 const std::vector<KernelEntry>& kernel_table() {
   static const std::vector<KernelEntry> table = {
@@ -149,6 +158,121 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   TORCH_CHECK(err == cudaSuccess, "fa2_inductor._C.fwd: kernel launch failed: ", cudaGetErrorString(err));
 }
 
+// Forward with an attention mask already expanded to [B, Hq, Sq, Sk] (zero strides on broadcast
+// dims; any non-negative strides). bool: True = attend; float32/bf16/fp16: additive. Runs the
+// classification pre-pass into a small [CB, CH, num_m, num_n] byte buffer (stream-ordered caching
+// allocation, so CUDA-graph safe), then the masked kernel.
+void fwd_masked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+                double scale, const at::Tensor& mask) {
+  check_operand(q, "q", q);
+  check_operand(k, "k", q);
+  check_operand(v, "v", q);
+  check_operand(out, "out", q);
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+                  q.scalar_type() == out.scalar_type(),
+              "fa2_inductor._C.fwd_masked: q, k, v, out must share a dtype");
+  fa2::DType dtype;
+  if (q.scalar_type() == at::kBFloat16) {
+    dtype = fa2::DType::kBF16;
+  } else if (q.scalar_type() == at::kHalf) {
+    dtype = fa2::DType::kFP16;
+  } else {
+    TORCH_CHECK(false, "fa2_inductor._C.fwd_masked: dtype must be bfloat16 or float16, got ", q.scalar_type());
+  }
+  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Sk = k.size(2);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == Sk &&
+                  k.size(3) == D && v.size(3) == D,
+              "fa2_inductor._C.fwd_masked: k/v shapes do not match q");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "fa2_inductor._C.fwd_masked: Hq must be a multiple of Hkv");
+  TORCH_CHECK(out.sizes() == q.sizes(), "fa2_inductor._C.fwd_masked: out must have q's shape");
+  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
+                  lse.dim() == 3 && lse.size(0) == B && lse.size(1) == Hq && lse.size(2) == Sq &&
+                  (lse.stride(2) == 1 || Sq <= 1),
+              "fa2_inductor._C.fwd_masked: lse must be float32 [B, Hq, Sq] with unit row stride");
+  TORCH_CHECK(B <= 65535 && Hq <= 65535, "fa2_inductor._C.fwd_masked: batch and heads must be <= 65535");
+  TORCH_CHECK(Sq < (int64_t(1) << 31) && Sk < (int64_t(1) << 31), "fa2_inductor._C.fwd_masked: sequence too long");
+  TORCH_CHECK(Sk > 0, "fa2_inductor._C.fwd_masked: needs at least one key");
+  TORCH_CHECK(scale > 0, "fa2_inductor._C.fwd_masked: scale must be positive");
+
+  TORCH_CHECK(mask.is_cuda() && mask.device() == q.device(), "fa2_inductor._C.fwd_masked: mask must be on q's device");
+  TORCH_CHECK(mask.dim() == 4 && mask.size(0) == B && mask.size(1) == Hq && mask.size(2) == Sq && mask.size(3) == Sk,
+              "fa2_inductor._C.fwd_masked: mask must be expanded to [B, Hq, Sq, Sk]");
+  for (int d = 0; d < 4; ++d) {
+    TORCH_CHECK(mask.stride(d) >= 0, "fa2_inductor._C.fwd_masked: mask strides must be non-negative");
+  }
+  fa2::MaskDType mask_dtype;
+  int run_index;
+  switch (mask.scalar_type()) {
+    case at::kBool: mask_dtype = fa2::MaskDType::kBool; run_index = 0; break;
+    case at::kFloat: mask_dtype = fa2::MaskDType::kF32; run_index = 1; break;
+    case at::kBFloat16: mask_dtype = fa2::MaskDType::kBF16; run_index = 1; break;
+    case at::kHalf: mask_dtype = fa2::MaskDType::kF16; run_index = 1; break;
+    default: TORCH_CHECK(false, "fa2_inductor._C.fwd_masked: mask dtype must be bool, float32, bfloat16 or float16, got ",
+                         mask.scalar_type());
+  }
+  static_assert(sizeof(bool) == 1, "bool masks are read as bytes");
+
+  const KernelEntry* entry = find_kernel(int(D), dtype);
+  TORCH_CHECK(entry != nullptr, "fa2_inductor._C.fwd_masked: no kernel compiled for head dim ", D, " and dtype ",
+              q.scalar_type());
+  if (B == 0 || Hq == 0 || Sq == 0) return;
+
+  c10::cuda::CUDAGuard guard(q.device());
+  int block_m = 0, block_n = 0;
+  entry->masked_tile(&block_m, &block_n);
+  const int64_t num_m = (Sq + block_m - 1) / block_m, num_n = (Sk + block_n - 1) / block_n;
+  const int64_t class_batches = (B == 1 || mask.stride(0) == 0) ? 1 : B;
+  const int64_t class_heads = (Hq == 1 || mask.stride(1) == 0) ? 1 : Hq;
+  TORCH_CHECK(num_m <= 65535 && class_batches * class_heads <= 65535,
+              "fa2_inductor._C.fwd_masked: mask too large for the block classification grid");
+  at::Tensor block_class = at::empty({class_batches * class_heads * num_m * num_n},
+                                     q.options().dtype(at::kByte));
+
+  fa2::FwdParams p;
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.batch = int(B);
+  p.heads_q = int(Hq);
+  p.heads_kv = int(Hkv);
+  p.seqlen_q = int(Sq);
+  p.seqlen_k = int(Sk);
+  p.head_dim = int(D);
+  p.q_batch_stride = tma_stride(q, 0, "q");
+  p.q_head_stride = tma_stride(q, 1, "q");
+  p.q_row_stride = tma_stride(q, 2, "q");
+  p.k_batch_stride = tma_stride(k, 0, "k");
+  p.k_head_stride = tma_stride(k, 1, "k");
+  p.k_row_stride = tma_stride(k, 2, "k");
+  p.v_batch_stride = tma_stride(v, 0, "v");
+  p.v_head_stride = tma_stride(v, 1, "v");
+  p.v_row_stride = tma_stride(v, 2, "v");
+  p.o_batch_stride = tma_stride(out, 0, "out");
+  p.o_head_stride = tma_stride(out, 1, "out");
+  p.o_row_stride = tma_stride(out, 2, "out");
+  p.lse_batch_stride = lse.stride(0);
+  p.lse_head_stride = lse.stride(1);
+  p.scale = float(scale);
+  p.causal = false;
+  p.mask = mask.data_ptr();
+  p.mask_dtype = mask_dtype;
+  // Size-1 dims are never stepped over; zero strides make the kernel share one mask slice.
+  p.mask_batch_stride = B == 1 ? 0 : mask.stride(0);
+  p.mask_head_stride = Hq == 1 ? 0 : mask.stride(1);
+  p.mask_row_stride = Sq == 1 ? 0 : mask.stride(2);
+  p.mask_col_stride = Sk == 1 ? 0 : mask.stride(3);
+  p.block_class = block_class.data_ptr<uint8_t>();
+  p.class_batches = int(class_batches);
+  p.class_heads = int(class_heads);
+
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const cudaError_t err = entry->run_masked[run_index](p, stream);
+  TORCH_CHECK(err == cudaSuccess, "fa2_inductor._C.fwd_masked: kernel launch failed: ", cudaGetErrorString(err));
+}
+
 std::vector<std::tuple<int64_t, std::string>> compiled_kernels() {
   std::vector<std::tuple<int64_t, std::string>> result;
   for (const auto& e : kernel_table()) result.emplace_back(e.head_dim, e.dtype_name);
@@ -160,5 +284,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &fwd, "Attention forward into preallocated out [B,Hq,Sq,D] and lse [B,Hq,Sq] (float32)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("scale"), pybind11::arg("is_causal"));
+  m.def("fwd_masked", &fwd_masked,
+        "Masked attention forward (mask expanded to [B,Hq,Sq,Sk]: bool = attend, or additive float32/bf16/fp16)",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
+        pybind11::arg("scale"), pybind11::arg("mask"));
   m.def("compiled_kernels", &compiled_kernels, "List of (head_dim, dtype_name) compiled into this build");
 }

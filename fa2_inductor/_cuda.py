@@ -15,6 +15,11 @@ from torch import Tensor
 from . import _extension
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# Mask dtypes the masked kernels read: bool (True = attend) or additive float32/bf16/fp16.
+_MASK_DTYPES = (torch.bool, torch.float32, torch.bfloat16, torch.float16)
+# Query tile of every masked kernel (KernelTraits::kBlockM); the pre-pass grid has one row of
+# CTAs per query tile (grid.y <= 65535) and one z-slice per class batch x class head.
+_MASKED_BLOCK_M = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,6 +59,37 @@ def _layout_reason(name: str, t: Tensor) -> Optional[str]:
     return None
 
 
+def _expanded_mask(attn_mask: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    """The mask as a [B, Hq, Sq, Sk] view (zero strides on broadcast dims)."""
+    b, hq, sq, _ = q.shape
+    return attn_mask.expand(b, hq, sq, k.shape[2])
+
+
+def _mask_reason(attn_mask: Tensor, q: Tensor, k: Tensor, is_causal: bool) -> Optional[str]:
+    if not hasattr(_extension.C, "fwd_masked"):
+        return "kernel built without mask support"
+    if is_causal:
+        return "attn_mask together with is_causal"
+    if attn_mask.dtype not in _MASK_DTYPES:
+        return f"attn_mask dtype {attn_mask.dtype} not supported by the kernel"
+    if attn_mask.device != q.device:
+        return "attn_mask on another device"
+    if attn_mask.dim() > 4 or q.dim() != 4 or k.dim() != 4:
+        return "attn_mask does not broadcast to [B, Hq, Sq, Sk]"
+    try:
+        mask = _expanded_mask(attn_mask, q, k)
+    except RuntimeError:
+        return "attn_mask does not broadcast to [B, Hq, Sq, Sk]"
+    if any(s < 0 for s in mask.stride()):
+        return "attn_mask has a negative stride"
+    b, hq, sq, _ = q.shape
+    class_b = 1 if b == 1 or mask.stride(0) == 0 else b
+    class_h = 1 if hq == 1 or mask.stride(1) == 0 else hq
+    if class_b * class_h > 65535 or -(-sq // _MASKED_BLOCK_M) > 65535:
+        return "attn_mask too large for the block classification grid"
+    return None
+
+
 def kernel_unsupported_reason(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool
 ) -> Optional[str]:
@@ -61,7 +97,9 @@ def kernel_unsupported_reason(
     if _extension.C is None:
         return "kernel not built"
     if attn_mask is not None:
-        return "attn_mask is not supported by the kernel"
+        reason = _mask_reason(attn_mask, q, k, is_causal)
+        if reason is not None:
+            return reason
     if q.device.type != "cuda":
         return "not a CUDA tensor"
     if _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) != (9, 0):
@@ -91,13 +129,38 @@ def kernel_unsupported_reason(
     return None
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, scale: float, is_causal: bool, out: Tensor, lse: Tensor) -> None:
-    """Runs the kernel into preallocated out [B,Hq,Sq,D] and lse [B,Hq,Sq] (float32, natural log)."""
+def forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    is_causal: bool,
+    out: Tensor,
+    lse: Tensor,
+    attn_mask: Optional[Tensor] = None,
+) -> None:
+    """Runs the kernel into preallocated out [B,Hq,Sq,D] and lse [B,Hq,Sq] (float32, natural log).
+
+    attn_mask (only where ``kernel_unsupported_reason`` accepted it): bool (True = attend) or
+    additive float32/bf16/fp16, broadcastable to [B, Hq, Sq, Sk]; read through its strides.
+    """
     if q.numel() == 0 and (q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0):
         return
     if k.shape[2] == 0:  # no key at all: every row is empty
         out.zero_()
         lse.fill_(float("-inf"))
+        return
+    if attn_mask is not None:
+        if is_causal:
+            raise ValueError("_cuda.forward: attn_mask together with is_causal is not supported")
+        if scale == 0:  # rare: the masked kernels need a positive scale; exact reference path
+            from . import reference
+
+            reference.attention_forward(q, k, v, attn_mask, 0.0, False, out, lse)
+            return
+        if scale < 0:
+            q, scale = -q, -scale
+        _extension.C.fwd_masked(q, k, v, out, lse, float(scale), _expanded_mask(attn_mask, q, k))
         return
     if scale < 0:  # the kernel tracks the max of raw scores, which needs a non-negative scale
         q, scale = -q, -scale

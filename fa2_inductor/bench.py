@@ -590,6 +590,154 @@ def _plot_title(env: dict) -> str:
 # ---------------------------------------------------------------- command line
 
 
+# ---------------------------------------------------------------- attention-mask rows
+
+
+def _kernel_times_ms(fn: Callable, calls: int = 10) -> dict[str, float]:
+    """Mean device time per call of each kernel ``fn`` launches (torch.profiler), by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        total_us = getattr(event, "device_time_total", None)
+        if total_us is None:
+            total_us = getattr(event, "cuda_time_total", 0.0)
+        if total_us:
+            times[event.key] = total_us / 1e3 / calls
+    return times
+
+
+def mask_rows(args: argparse.Namespace) -> int:
+    """Masked-kernel rows on one shape family (bf16, D=128, batch·seqlen = --tokens, heads·D = --hidden).
+
+    Each row times our op through ``flash_attention_fwd`` (CUDA events, median) next to its comparison,
+    after checking the output against SDPA. Exit status 1 when a check fails or the kernel refused a mask.
+    """
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        print("--masks needs a CUDA device")
+        return 1
+    dtype, d = torch.bfloat16, 128
+    heads = max(1, args.hidden // d)
+    op = torch.ops.fa2_inductor.flash_attention_fwd
+    reps, warmup = max(args.reps, 10), max(args.warmup, 3)
+    records, failed = [], False
+
+    def med(fn: Callable) -> float:
+        return statistics.median(time_cuda(fn, warmup=warmup, reps=reps))
+
+    def sdpa_best(q, k, v, mask, scale) -> tuple[str, float]:
+        best = ("none", float("nan"))
+        for name, backend in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            def call(backend=backend):
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            try:
+                call()
+                ms = med(call)
+            except Exception:  # the backend refuses this mask / shape
+                continue
+            if not (best[1] <= ms):
+                best = (name, ms)
+        return best
+
+    def inputs(seqlen_q: int, seqlen_k: int, batch: int):
+        g = torch.Generator(device=device).manual_seed(args.seed)
+        q = torch.randn(batch, heads, seqlen_q, d, device=device, dtype=dtype, generator=g)
+        k = torch.randn(batch, heads, seqlen_k, d, device=device, dtype=dtype, generator=g)
+        v = torch.randn(batch, heads, seqlen_k, d, device=device, dtype=dtype, generator=g)
+        return q, k, v
+
+    def check(name: str, q, k, v, mask, scale) -> bool:
+        nonlocal failed
+        reason = _cuda.kernel_unsupported_reason(q, k, v, mask, False)
+        if reason is not None:
+            print(f"{name}: kernel refused the mask ({reason})")
+            failed = True
+            return False
+        out, _ = op(q, k, v, mask, scale, False)
+        ref_mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=ref_mask, scale=scale)
+        err = (out.float() - ref.float()).abs().max().item()
+        ok = err <= 3e-2 + 3e-2 * ref.float().abs().max().item()
+        if not ok:
+            print(f"{name}: WRONG, max |ours - sdpa| = {err:.3e}")
+            failed = True
+        return ok
+
+    def row(name: str, ours_ms: float, other: str, other_ms: float, note: str = "", **extra):
+        ratio = other_ms / ours_ms if ours_ms > 0 else float("nan")
+        print(f"{name:<44} ours {ours_ms:8.3f} ms | {other:<28} {other_ms:8.3f} ms | x{ratio:5.2f} {note}")
+        records.append({"row": name, "ours_ms": ours_ms, "other": other, "other_ms": other_ms,
+                        "speedup": ratio, **extra})
+
+    env = environment(device)
+    print(f"fa2_inductor {env['fa2_inductor']}, torch {env['torch']}, device {env.get('gpu') or env['device']}")
+    print(f"mask rows: bf16, D={d}, heads={heads}, batch*seqlen={args.tokens}; median of {reps}")
+    for seqlen in (2048, 4096, 8192):
+        batch = max(1, args.tokens // seqlen)
+        scale = d ** -0.5
+        q, k, v = inputs(seqlen, seqlen, batch)
+        i = torch.arange(seqlen, device=device)
+        causal = (i[None, :] <= i[:, None])[None, None]
+        if check(f"causal bool {seqlen}", q, k, v, causal, scale):
+            t_mask = med(lambda: op(q, k, v, causal, scale, False))
+            t_causal = med(lambda: op(q, k, v, None, scale, True))
+            row(f"causal as bool [1,1,S,S] S={seqlen}", t_mask, "ours is_causal=True", t_causal,
+                "(target: ours within 10%, i.e. x >= 0.91)", seqlen=seqlen, batch=batch)
+            kt = _kernel_times_ms(lambda: op(q, k, v, causal, scale, False))
+            pre = sum(ms for name, ms in kt.items() if "classify_mask_blocks" in name)
+            main = sum(ms for name, ms in kt.items() if "fwd_kernel_sm90" in name)
+            print(f"{'':<44} pre-pass {pre:.4f} ms, main kernel {main:.4f} ms (profiler, per call)")
+            records[-1].update(prepass_ms=pre, main_kernel_ms=main)
+        hf = torch.where(causal, 0.0, torch.finfo(torch.float32).min).to(torch.float32).expand(batch, 1, seqlen, seqlen)
+        if check(f"hf additive {seqlen}", q, k, v, hf, scale):
+            t_mask = med(lambda: op(q, k, v, hf, scale, False))
+            t_causal = med(lambda: op(q, k, v, None, scale, True))
+            row(f"HF causal float32 finfo.min [B,1,S,S] S={seqlen}", t_mask, "ours is_causal=True", t_causal,
+                seqlen=seqlen, batch=batch)
+        # padding: half the keys of every sequence visible vs no mask over exactly those keys
+        visible = seqlen // 2
+        pad = (i < visible)[None, None, None, :].expand(batch, 1, 1, seqlen)
+        if check(f"padding {seqlen}", q, k, v, pad, scale):
+            t_mask = med(lambda: op(q, k, v, pad, scale, False))
+            kk, vv = k[:, :, :visible].contiguous(), v[:, :, :visible].contiguous()
+            t_plain = med(lambda: op(q, kk, vv, None, scale, False))
+            row(f"padding [B,1,1,S] S={seqlen} ({visible} visible)", t_mask, f"ours no mask Sk={visible}", t_plain,
+                "(target: x >= 0.91)", seqlen=seqlen, batch=batch)
+        sliding = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 1024))[None, None]
+        if seqlen == 4096 and check(f"sliding {seqlen}", q, k, v, sliding, scale):
+            t_mask = med(lambda: op(q, k, v, sliding, scale, False))
+            name, t_sdpa = sdpa_best(q, k, v, sliding, scale)
+            row(f"sliding window 1k bool [1,1,S,S] S={seqlen}", t_mask, f"sdpa {name} same mask", t_sdpa,
+                "(target: x > 1)", seqlen=seqlen, batch=batch)
+            bias = (-(i[:, None] - i[None, :]).abs().float() * 0.01)[None, None].expand(1, heads, seqlen, seqlen)
+            bias = bias.to(dtype).contiguous()
+            if check(f"t5 bias {seqlen}", q, k, v, bias, scale):
+                t_mask = med(lambda: op(q, k, v, bias, scale, False))
+                name, t_sdpa = sdpa_best(q, k, v, bias, scale)
+                row(f"T5-like bias bf16 [1,H,S,S] S={seqlen} (all partial)", t_mask, f"sdpa {name} same mask",
+                    t_sdpa, seqlen=seqlen, batch=batch)
+            rnd = torch.rand(batch, 1, seqlen, seqlen, device=device) < 0.5
+            rnd[..., 0] = True
+            if check(f"random {seqlen}", q, k, v, rnd, scale):
+                t_mask = med(lambda: op(q, k, v, rnd, scale, False))
+                t_plain = med(lambda: op(q, k, v, None, scale, False))
+                row(f"random bool [B,1,S,S] S={seqlen} (worst case)", t_mask, "ours no mask", t_plain,
+                    seqlen=seqlen, batch=batch)
+        del q, k, v
+    write_json(args.json, {"environment": env, "mask_rows": records})
+    print(f"JSON: {args.json}")
+    return 1 if failed else 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fa2_inductor.bench",
@@ -618,6 +766,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, default=Path("fa2_bench.json"), help="default %(default)s")
     parser.add_argument("--plot", type=Path, default=Path("fa2_bench.png"), help="default %(default)s")
     parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw --plot from a saved JSON")
+    parser.add_argument(
+        "--masks", action="store_true",
+        help="only the attention-mask rows (bf16, D=128, --tokens/--hidden shapes): causal as a bool mask vs "
+        "is_causal, padding vs no mask at the same visible keys, sliding window vs SDPA, HF/T5 additive masks, "
+        "pre-pass cost; writes --json",
+    )
     return parser
 
 
@@ -682,6 +836,8 @@ def replot(json_path: Path, plot_path: Path) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit status 1 when any implementation was WRONG or failed, so a script running the sweep notices."""
     args = parse_args(argv)
+    if args.masks:
+        return mask_rows(args)
     if args.replot is not None:
         replot(args.replot, args.plot)
         return 0

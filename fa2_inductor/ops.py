@@ -86,7 +86,7 @@ def _flash_attention_fwd_cuda(q, k, v, attn_mask, scale, is_causal):
     if _cuda.kernel_unsupported_reason(q, k, v, attn_mask, is_causal) is not None:
         return _reference_fwd(q, k, v, attn_mask, scale, is_causal)
     out, lse = reference.empty_outputs(q, v)
-    _cuda.forward(q, k, v, scale, is_causal, out, lse)
+    _cuda.forward(q, k, v, scale, is_causal, out, lse, attn_mask=attn_mask)
     return out, lse
 
 

@@ -5,6 +5,10 @@
 #
 #   scripts/device_kernel.sh                     # every stage
 #   STAGES=build,timing scripts/device_kernel.sh # a subset
+#   STAGES=build,smoke,test,maskbench scripts/device_kernel.sh
+#       build + smoke (incl. one masked call per head dim) + tests/gpu (test_kernel, test_mask, HF)
+#       + the attention-mask bench rows (python -m fa2_inductor.bench --masks)
+#   STAGES=build,smoke,masktest,maskbench    # only the kernel + mask tests (not the HF ones)
 #
 # Needs: the nvidia-cutlass wheel under .whl/ (carry it), nvcc, torch with CUDA.
 set -uo pipefail
@@ -43,8 +47,9 @@ import re, sys
 text = open(sys.argv[1], errors="replace").read()
 for m in re.finditer(r"Compiling entry function '(\S+)' for 'sm_90a'\n(?:.*\n)*?.*?(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads\n.*?Used (\d+) registers", text):
     name = m.group(1)
-    cfg = re.search(r"KernelTraitsILi(\d+)ELNS_5DTypeE(\d)ELb(\d)", name)
-    tag = f"hdim{cfg[1]} {'bf16' if cfg[2]=='0' else 'fp16'} causal={cfg[3]}" if cfg else name[:60]
+    cfg = re.search(r"KernelTraitsILi(\d+)ELNS_5DTypeE(\d)ELb(\d)(?:ELNS_8MaskKindE(\d))?", name)
+    mask = {None: "", "0": "", "1": " mask=bool", "2": " mask=additive"}[cfg[4] if cfg else None]
+    tag = f"hdim{cfg[1]} {'bf16' if cfg[2]=='0' else 'fp16'} causal={cfg[3]}{mask}" if cfg else name[:60]
     print(f"ptxas {tag}: regs={m.group(5)} stack={m.group(2)} spill_st={m.group(3)} spill_ld={m.group(4)}")
 warn = [l for l in text.splitlines() if re.search(r"C75(0|1)\d|wgmma.*serializ", l)]
 print("wgmma serialisation warnings:", len(warn))
@@ -65,6 +70,30 @@ if has smoke; then  # a hang or crash here would waste the rest of the run: stop
   note "smoke: rc=$rc"
   cat "$LOGS/smoke.log" | tail -20 | tee -a "$SUMMARY"
   [ $rc -ne 0 ] && exit 1
+  # One masked call (bool and additive) per compiled head dim: a hang here stops the run early.
+  timeout 45 python3 - > "$LOGS/smoke_mask.log" 2>&1 <<'PY'
+import torch
+from fa2_inductor import _cuda, _extension
+for d, name in sorted(_extension.C.compiled_kernels()):
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    q, k, v = (torch.randn(2, 4, s, d, device="cuda", dtype=dt) for s in (300, 517, 517))
+    for mask in (torch.rand(2, 1, 300, 517, device="cuda") < 0.5, torch.randn(1, 4, 300, 517, device="cuda")):
+        assert _cuda.kernel_unsupported_reason(q, k, v, mask, False) is None
+        out = torch.empty_like(q); lse = torch.empty(2, 4, 300, device="cuda")
+        _cuda.forward(q, k, v, d ** -0.5, False, out, lse, attn_mask=mask)
+        torch.cuda.synchronize()
+        print(f"hdim{d} {name} mask {mask.dtype}: ok, finite={bool(out.isfinite().all())}")
+PY
+  rc=$?
+  note "smoke (masked): rc=$rc"
+  tail -12 "$LOGS/smoke_mask.log" | tee -a "$SUMMARY"
+  [ $rc -ne 0 ] && exit 1
+fi
+
+if has masktest; then
+  timeout 200 python3 -m pytest tests/gpu/test_kernel.py tests/gpu/test_mask.py -q -rfE -p no:cacheprovider --timeout=120 > "$OUT/tests.log" 2>&1
+  note "masktest: rc=$? $(tail -1 "$OUT/tests.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 | tee -a "$SUMMARY"
 fi
 
 if has test; then
@@ -91,6 +120,12 @@ if has timing; then
   timeout 150 python3 scripts/kernel_timing.py "$OUT/timing.json" ${TIMING_SEQLENS:-} > "$LOGS/timing.log" 2>&1
   note "timing: rc=$?"
   cat "$LOGS/timing.log" >> "$SUMMARY"
+fi
+
+if has maskbench; then
+  timeout 150 python3 -m fa2_inductor.bench --masks --json "$OUT/mask_bench.json" > "$OUT/mask_bench.log" 2>&1
+  note "maskbench: rc=$?"
+  cat "$OUT/mask_bench.log" >> "$SUMMARY"
 fi
 
 if has bench; then

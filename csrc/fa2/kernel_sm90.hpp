@@ -44,17 +44,21 @@ fwd_kernel_sm90(CUTE_GRID_CONSTANT const KernelArgs<Traits> args) {
   __syncthreads();  // barrier initialisation visible to every thread
 
   const int num_m_blocks = gridDim.x;
-  // Causal tiles differ in cost: launch the most expensive (last) query tiles first.
-  const int m_block = T::kCausal ? num_m_blocks - 1 - int(blockIdx.x) : int(blockIdx.x);
+  // Causal tiles differ in cost: launch the most expensive (last) query tiles first. Masked kernels
+  // do the same: the masks of real models are mostly causal-like (HF causal, sliding windows).
+  constexpr bool kReverseM = T::kCausal || T::kMask != MaskKind::kNone;
+  const int m_block = kReverseM ? num_m_blocks - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int n_blocks = num_key_blocks<T>(m_block * T::kBlockM, args.seqlen_k);
+  // Masked kernels: fully masked key blocks (pre-pass classes) are never loaded nor computed.
+  const uint8_t* cls = block_classes<T>(args, m_block, head, batch);
   (void)warp_idx;
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
-    if (threadIdx.x == 0 && n_blocks > 0) {
-      producer_load<T>(args, smem, pipe_k, pipe_v, m_block, head, batch, n_blocks);
+    if (threadIdx.x == 0 && next_key_block<T>(cls, n_blocks) >= 0) {
+      producer_load<T>(args, smem, pipe_k, pipe_v, m_block, head, batch, n_blocks, cls);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
@@ -63,14 +67,15 @@ fwd_kernel_sm90(CUTE_GRID_CONSTANT const KernelArgs<Traits> args) {
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<typename T::TileM, typename T::TileD>{});
     clear(tOrO);
     OnlineSoftmax<2> softmax(args.scale);
-    if (n_blocks > 0) {
-      consumer_mainloop<T>(args, smem, pipe_k, pipe_v, tOrO, softmax, tid, m_block, n_blocks);
+    if (next_key_block<T>(cls, n_blocks) >= 0) {  // kNone: n_blocks > 0
+      consumer_mainloop<T>(args, smem, pipe_k, pipe_v, tOrO, softmax, tid, m_block, n_blocks, cls, head, batch);
     } else {
       // No key at all: O = 0 and LSE = -inf. Q was never loaded, nothing to wait for.
     }
     float lse[2];
     Tensor o_rc = as_rowcol(tOrO);
-    softmax.finalize(o_rc, lse, args.scale);
+    // kAdditive tracks the row max of already scaled scores.
+    softmax.finalize(o_rc, lse, T::kMask == MaskKind::kAdditive ? 1.f : args.scale);
     epilogue_store<T>(args, smem, tOrO, lse, tid, m_block, head, batch);
   }
 #elif defined(__CUDA_ARCH__)

@@ -10,6 +10,7 @@
 
 #include "params.h"
 #include "kernel_sm90.hpp"
+#include "mask_prepass.hpp"
 
 namespace fa2 {
 
@@ -54,7 +55,32 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
       p.seqlen_k,
       p.heads_q / p.heads_kv,
       p.scale,
+      {},  // mask: filled below for the masked kernels
   };
+
+  const int num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
+  if constexpr (T::kMask != MaskKind::kNone) {
+    // Pre-pass: classify the mask's blocks into p.block_class, [CB, CH, num_m, num_n].
+    const int num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
+    if (p.seqlen_k == 0 || p.block_class == nullptr || p.mask == nullptr) return cudaErrorInvalidValue;
+    if (num_m_blocks > 65535 || p.class_batches * p.class_heads > 65535) return cudaErrorInvalidConfiguration;
+    const int64_t per_head = int64_t(num_m_blocks) * num_n_blocks;
+    args.mask = MaskArgs{p.mask,
+                         p.mask_batch_stride,
+                         p.mask_head_stride,
+                         p.mask_row_stride,
+                         p.mask_col_stride,
+                         p.block_class,
+                         p.class_batches > 1 ? int64_t(p.class_heads) * per_head : 0,
+                         p.class_heads > 1 ? per_head : 0,
+                         num_n_blocks,
+                         int(p.mask_dtype)};
+    dim3 class_grid(num_n_blocks, num_m_blocks, p.class_batches * p.class_heads);
+    classify_mask_blocks<T::kBlockM, T::kBlockN>
+        <<<class_grid, kClassifyThreads, 0, stream>>>(args.mask, p.block_class, p.seqlen_q, p.seqlen_k, p.class_heads);
+    cudaError_t class_err = cudaGetLastError();
+    if (class_err != cudaSuccess) return class_err;
+  }
 
   auto kernel = &fwd_kernel_sm90<T>;
   const int smem_bytes = T::kSmemBytes;
@@ -70,7 +96,6 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
     configured_devices.fetch_or(bit, std::memory_order_relaxed);
   }
-  const int num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
   dim3 grid(num_m_blocks, p.heads_q, p.batch);
   kernel<<<grid, T::kThreads, smem_bytes, stream>>>(args);
   return cudaGetLastError();
@@ -81,8 +106,24 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
   return launch_fwd<KernelTraits<HeadDim, Dt, Causal>>(params, stream);
 }
 
+template <int HeadDim, DType Dt, MaskKind Kind>
+cudaError_t run_fwd_masked(const FwdParams& params, cudaStream_t stream) {
+  return launch_fwd<KernelTraits<HeadDim, Dt, false, Kind>>(params, stream);
+}
+
+template <int HeadDim, DType Dt>
+void masked_tile_shape(int* block_m, int* block_n) {
+  using T = KernelTraits<HeadDim, Dt, false, MaskKind::kBool>;
+  *block_m = T::kBlockM;
+  *block_n = T::kBlockN;
+}
+
 }  // namespace fa2
 
 // One explicit instantiation per compile unit in csrc/instantiations/.
 #define FA2_INSTANTIATE_FWD(HDIM, DT, CAUSAL) \
   template cudaError_t fa2::run_fwd<HDIM, fa2::DType::DT, CAUSAL>(const fa2::FwdParams&, cudaStream_t);
+#define FA2_INSTANTIATE_FWD_MASKED(HDIM, DT, KIND) \
+  template cudaError_t fa2::run_fwd_masked<HDIM, fa2::DType::DT, fa2::MaskKind::KIND>(const fa2::FwdParams&, cudaStream_t);
+#define FA2_INSTANTIATE_MASKED_TILE(HDIM, DT) \
+  template void fa2::masked_tile_shape<HDIM, fa2::DType::DT>(int*, int*);

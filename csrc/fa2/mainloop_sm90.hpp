@@ -30,7 +30,7 @@ template <DType Dt> struct ElementOf;
 template <> struct ElementOf<DType::kBF16> { using type = cutlass::bfloat16_t; };
 template <> struct ElementOf<DType::kFP16> { using type = cutlass::half_t; };
 
-template <int HeadDim_, DType Dt, bool Causal_>
+template <int HeadDim_, DType Dt, bool Causal_, MaskKind Mask_ = MaskKind::kNone>
 struct KernelTraits {
   using Element = typename ElementOf<Dt>::type;
   using Config = TileConfig<HeadDim_, Causal_>;
@@ -39,6 +39,9 @@ struct KernelTraits {
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = Causal_;
+  static constexpr MaskKind kMask = Mask_;
+  static_assert(!(kCausal && kMask != MaskKind::kNone), "a mask tensor and causal are exclusive (as in SDPA)");
+  using MaskArgsT = typename MaskArgsFor<Mask_>::type;
   static constexpr bool kPingPong = Config::kPingPong;
   static_assert(kHeadDim % 64 == 0, "head dim must fill 128-byte swizzle rows");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0);
@@ -123,7 +126,58 @@ struct KernelArgs {
   int64_t lse_batch_stride, lse_head_stride;
   int seqlen_q, seqlen_k, head_ratio;  // head_ratio = Hq / Hkv
   float scale;
+  typename Traits::MaskArgsT mask;  // empty for MaskKind::kNone
 };
+
+// Block classes of this CTA's query tile (masked kernels), else nullptr.
+template <class Traits>
+CUTE_DEVICE const uint8_t* block_classes(const KernelArgs<Traits>& args, int m_block, int head, int batch) {
+  if constexpr (Traits::kMask == MaskKind::kNone) {
+    return nullptr;
+  } else {
+    return args.mask.block_class + int64_t(batch) * args.mask.class_batch_stride +
+           int64_t(head) * args.mask.class_head_stride + int64_t(m_block) * args.mask.num_n_blocks;
+  }
+}
+
+// The next key block below n that must be visited (-1 when none): masked kernels skip the blocks
+// the pre-pass found fully masked. Producer and consumers walk the same sequence.
+template <class Traits>
+CUTE_DEVICE int next_key_block(const uint8_t* cls, int n) {
+  if constexpr (Traits::kMask == MaskKind::kNone) {
+    return n - 1;
+  } else {
+    --n;
+    while (n >= 0 && cls[n] == 0) --n;
+    return n;
+  }
+}
+
+// Masks the S tile of key block n in place. kNone: sequence tail / causal as before. Masked:
+// kAdditive first scales S (the softmax then works on scaled scores), partial blocks read the
+// user's mask, and the sequence tail is masked on top.
+template <class Traits, class TensorS, class TensorC>
+CUTE_DEVICE void mask_scores(const KernelArgs<Traits>& args, TensorS& s_rc, const TensorC& c_rc,
+                             const uint8_t* cls, int n, int m0, int head, int batch) {
+  using T = Traits;
+  if constexpr (T::kMask == MaskKind::kNone) {
+    if (block_needs_mask<T::kCausal, T::kBlockN>(n, m0, args.seqlen_k)) {
+      apply_mask<T::kCausal>(s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k);
+    }
+  } else {
+    if constexpr (T::kMask == MaskKind::kAdditive) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(s_rc); ++i) s_rc(i) *= args.scale;
+    }
+    if (cls[n] == 2) {
+      apply_user_mask<T::kMask>(s_rc, c_rc, args.mask, batch, head, m0, n * T::kBlockN, args.seqlen_q,
+                                args.seqlen_k);
+    }
+    if (block_needs_mask<false, T::kBlockN>(n, m0, args.seqlen_k)) {
+      apply_mask<false>(s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k);
+    }
+  }
+}
 
 // Number of key blocks the query tile starting at m0 must visit.
 template <class Traits>
@@ -138,7 +192,7 @@ CUTE_DEVICE int num_key_blocks(int m0, int seqlen_k) {
 template <class Traits>
 CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                                typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
-                               int m_block, int head, int batch, int n_blocks) {
+                               int m_block, int head, int batch, int n_blocks, const uint8_t* cls) {
   using T = Traits;
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
@@ -166,7 +220,7 @@ CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::
   typename T::PipelineState write = cutlass::make_producer_start_state<typename T::Pipeline>();
 
   // K of the first block, then Q, then V: the first S GEMM needs only Q and K.
-  int n = n_blocks - 1;
+  int n = next_key_block<T>(cls, n_blocks);  // kNone: n_blocks - 1
   pipe_k.producer_acquire(write);
   copy(args.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, n), tKsK(_, write.index()));
   bar_q.arrive_and_expect_tx(T::kBytesQ);
@@ -174,7 +228,7 @@ CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::
   pipe_v.producer_acquire(write);
   copy(args.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, n), tVsV(_, write.index()));
   ++write;
-  for (n = n_blocks - 2; n >= 0; --n) {
+  for (n = next_key_block<T>(cls, n); n >= 0; n = next_key_block<T>(cls, n)) {
     pipe_k.producer_acquire(write);
     copy(args.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, n), tKsK(_, write.index()));
     pipe_v.producer_acquire(write);
@@ -224,7 +278,8 @@ CUTE_DEVICE void convert_pairs(TensorD& d, TensorS const& s) {
 template <class Traits, class FragO, class Softmax>
 CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                                    typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
-                                   FragO& tOrO, Softmax& softmax, int tid, int m_block, int n_blocks) {
+                                   FragO& tOrO, Softmax& softmax, int tid, int m_block, int n_blocks,
+                                   const uint8_t* cls, int head, int batch) {
   using T = Traits;
   using Element = typename T::Element;
   typename T::TiledMmaQK mma_qk;
@@ -256,7 +311,10 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
   auto& bar_q = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q);
 
   // First (highest) key block: always masked when needed, no rescale.
-  int n = n_blocks - 1;
+  constexpr bool kScaled = T::kMask == MaskKind::kAdditive;  // softmax on pre-scaled scores
+  constexpr bool kMasked = T::kMask != MaskKind::kNone;
+  int n = next_key_block<T>(cls, n_blocks);  // kNone: n_blocks - 1
+  int n_next = next_key_block<T>(cls, n);    // the block after n, -1 when n is the last
   // Ping-pong turn taking: warpgroup w waits on barrier w before issuing its GEMMs and then
   // opens the other's. Warpgroup 0 opens its own first turn; the last warpgroup skips its final
   // hand-over so every barrier ends balanced.
@@ -280,32 +338,29 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
   bar_q.wait(0);
   turn_wait();
   wg_gemm<true, -1, false>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
-  turn_pass(n_blocks == 1);
+  turn_pass(kMasked ? n_next < 0 : n_blocks == 1);
   warpgroup_wait<0>();
   warpgroup_fence_operand(tSrS);
   pipe_k.consumer_release(read);
-  if (block_needs_mask<T::kCausal, T::kBlockN>(n, m0, args.seqlen_k)) {
-    apply_mask<T::kCausal>(s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k);
-  }
-  softmax.template update<true>(s_rc, correction);
+  mask_scores<T>(args, s_rc, c_rc, cls, n, m0, head, batch);
+  softmax.template update<true, kScaled>(s_rc, correction);
   convert_pairs(rP, tSrS);
 
   typename T::PipelineState read_v = read;
   ++read;
-  for (n = n_blocks - 2; n >= 0; --n) {
+  for (n = n_next; n >= 0; n = n_next) {
+    n_next = next_key_block<T>(cls, n);  // kNone: n - 1
     pipe_k.consumer_wait(read);
     turn_wait();
     wg_gemm<true, -1, false>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
     pipe_v.consumer_wait(read_v);
     wg_gemm<false, -1, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
-    turn_pass(n == 0);
+    turn_pass(kMasked ? n_next < 0 : n == 0);
     warpgroup_wait<1>();  // S of block n is ready; P.V of the previous block may still run
     warpgroup_fence_operand(tSrS);
     pipe_k.consumer_release(read);
-    if (block_needs_mask<T::kCausal, T::kBlockN>(n, m0, args.seqlen_k)) {
-      apply_mask<T::kCausal>(s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k);
-    }
-    softmax.template update<false>(s_rc, correction);
+    mask_scores<T>(args, s_rc, c_rc, cls, n, m0, head, batch);
+    softmax.template update<false, kScaled>(s_rc, correction);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     pipe_v.consumer_release(read_v);

@@ -8,6 +8,13 @@ namespace fa2 {
 
 enum class DType : int { kBF16 = 0, kFP16 = 1 };
 
+// Attention mask policy of a kernel instantiation (compile time). kNone: no mask tensor (the
+// original kernels). kBool: True = attend, read as bytes. kAdditive: added to the scaled scores
+// (float32 / bf16 / fp16, chosen at run time by FwdParams::mask_dtype).
+enum class MaskKind : int { kNone = 0, kBool = 1, kAdditive = 2 };
+// Element type of the user's mask as read by the kernel.
+enum class MaskDType : int { kBool = 0, kF32 = 1, kBF16 = 2, kF16 = 3 };
+
 struct FwdParams {
   // Device pointers. q/o: [B, Hq, S, D] viewed through strides; k/v: [B, Hkv, Sk, D].
   const void* q = nullptr;
@@ -27,10 +34,30 @@ struct FwdParams {
 
   float scale = 1.0f;  // softmax scale applied to Q.K^T
   bool causal = false; // top-left aligned: query i sees keys j <= i
+
+  // Attention mask (masked instantiations only), seen as [B, Hq, Sq, Sk] through its strides
+  // (0 on broadcast dims). block_class: [CB, CH, num_m_blocks, num_n_blocks] bytes written by the
+  // pre-pass (0 = fully masked, 1 = fully visible, 2 = partial), CB = 1 when the mask's batch
+  // stride is 0 or B = 1, CH likewise for heads.
+  const void* mask = nullptr;
+  MaskDType mask_dtype = MaskDType::kBool;
+  int64_t mask_batch_stride = 0, mask_head_stride = 0, mask_row_stride = 0, mask_col_stride = 0;
+  uint8_t* block_class = nullptr;
+  int class_batches = 1, class_heads = 1;
 };
 
 // One definition per compiled (head dim, dtype, causal) lives in csrc/instantiations/.
 template <int HeadDim, DType Dt, bool Causal>
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream);
+
+// Masked (non-causal) forward: classification pre-pass, then the main kernel. One definition per
+// (head dim, dtype, mask kind) in csrc/instantiations/fwd_hdim{D}_{dtype}_mask{bool,add}.cu.
+template <int HeadDim, DType Dt, MaskKind Kind>
+cudaError_t run_fwd_masked(const FwdParams& params, cudaStream_t stream);
+
+// Query/key tile of the masked kernels for this head dim: the block_class buffer is
+// [CB, CH, ceil(Sq / block_m), ceil(Sk / block_n)].
+template <int HeadDim, DType Dt>
+void masked_tile_shape(int* block_m, int* block_n);
 
 }  // namespace fa2

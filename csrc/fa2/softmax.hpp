@@ -59,31 +59,59 @@ struct OnlineSoftmax {
 
   // Turns S (raw scores, masked entries -inf) into unnormalised P in place and returns, in
   // `correction`, the factor by which the running O must be rescaled.
-  template <bool kFirst, class TensorS>
+  // kScaled (additive masks): S already holds scale * scores + mask, so the row max is tracked in
+  // those units and exp2((s - max) * log2(e)) is used: subtracting first keeps huge finite masks
+  // (e.g. finfo.min) finite, where max * log2(e) could overflow. finalize() then takes scale = 1.
+  template <bool kFirst, bool kScaled = false, class TensorS>
   CUTE_DEVICE void update(TensorS& s_rc, float (&correction)[kRows]) {
     static_assert(decltype(size<0>(s_rc))::value == kRows);
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      float m = kFirst ? -INFINITY : row_max[r];
+    if constexpr (kScaled) {
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(s_rc); ++c) m = fmaxf(m, s_rc(r, c));
-      m = quad_max(m);
-      // A row with nothing visible yet keeps max -inf; use 0 as the offset so exp2 gives 0.
-      const float m_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
-      if constexpr (kFirst) {
-        correction[r] = 1.f;
-      } else {
-        correction[r] = exp2f(row_max[r] * scale_log2 - m_scaled);
+      for (int r = 0; r < kRows; ++r) {
+        float m = kFirst ? -INFINITY : row_max[r];
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s_rc); ++c) m = fmaxf(m, s_rc(r, c));
+        m = quad_max(m);
+        const float m_off = (m == -INFINITY) ? 0.f : m;
+        if constexpr (kFirst) {
+          correction[r] = 1.f;
+        } else {
+          correction[r] = exp2f((row_max[r] - m_off) * float(M_LOG2E));
+        }
+        row_max[r] = m;
+        float sum = 0.f;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s_rc); ++c) {
+          const float p = exp2f((s_rc(r, c) - m_off) * float(M_LOG2E));
+          s_rc(r, c) = p;
+          sum += p;
+        }
+        row_sum[r] = kFirst ? sum : row_sum[r] * correction[r] + sum;
       }
-      row_max[r] = m;
-      float sum = 0.f;
+    } else {
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(s_rc); ++c) {
-        const float p = exp2f(s_rc(r, c) * scale_log2 - m_scaled);
-        s_rc(r, c) = p;
-        sum += p;
+      for (int r = 0; r < kRows; ++r) {
+        float m = kFirst ? -INFINITY : row_max[r];
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s_rc); ++c) m = fmaxf(m, s_rc(r, c));
+        m = quad_max(m);
+        // A row with nothing visible yet keeps max -inf; use 0 as the offset so exp2 gives 0.
+        const float m_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
+        if constexpr (kFirst) {
+          correction[r] = 1.f;
+        } else {
+          correction[r] = exp2f(row_max[r] * scale_log2 - m_scaled);
+        }
+        row_max[r] = m;
+        float sum = 0.f;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s_rc); ++c) {
+          const float p = exp2f(s_rc(r, c) * scale_log2 - m_scaled);
+          s_rc(r, c) = p;
+          sum += p;
+        }
+        row_sum[r] = kFirst ? sum : row_sum[r] * correction[r] + sum;
       }
-      row_sum[r] = kFirst ? sum : row_sum[r] * correction[r] + sum;
     }
   }
 
