@@ -241,9 +241,9 @@ def test_mask_broadcast_forms(d, additive, form):
     full[..., :200] = True  # some fully visible blocks
     full[..., 384:] = False  # some fully masked blocks
     full[:, :, 5] = False  # an empty row
-    mask = BROADCASTS[form](full)
     if additive:
-        mask = _additive(mask, torch.bfloat16)
+        full = _additive(full, torch.bfloat16)
+    mask = BROADCASTS[form](full)
     q, k, v = make_qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=5)
     check_masked(q, k, v, mask)
 
