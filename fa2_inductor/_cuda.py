@@ -7,6 +7,7 @@ cached device capability); importing this module never initialises CUDA.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -68,6 +69,8 @@ def _expanded_mask(attn_mask: Tensor, q: Tensor, k: Tensor) -> Tensor:
 def _mask_reason(attn_mask: Tensor, q: Tensor, k: Tensor, is_causal: bool) -> Optional[str]:
     if not hasattr(_extension.C, "fwd_masked"):
         return "kernel built without mask support"
+    if os.environ.get("FA2_INDUCTOR_DISABLE_MASK_KERNEL", "0") == "1":
+        return "masked kernels disabled (FA2_INDUCTOR_DISABLE_MASK_KERNEL=1)"
     if is_causal:
         return "attn_mask together with is_causal"
     if attn_mask.dtype not in _MASK_DTYPES:

@@ -10,6 +10,7 @@ kernel with mask support.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -25,6 +26,8 @@ if _extension.C is None:
     pytest.skip(f"fa2_inductor._C not loaded: {_extension.status}", allow_module_level=True)
 if not hasattr(_extension.C, "fwd_masked"):
     pytest.skip("fa2_inductor._C built without mask support", allow_module_level=True)
+if os.environ.get("FA2_INDUCTOR_DISABLE_MASK_KERNEL", "0") == "1":
+    pytest.skip("masked kernels disabled (FA2_INDUCTOR_DISABLE_MASK_KERNEL=1)", allow_module_level=True)
 
 COMPILED = {(int(d), str(n)) for d, n in _extension.C.compiled_kernels()}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
