@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Any, Optional
+from typing import Optional
 
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -18,8 +18,9 @@ from . import report
 from .fx_utils import forward_users, is_backward_node
 from .match_sdpa import is_sdpa, match_sdpa
 from .match_softmax import attention_shaped, match_softmax_attention, softmax_at
-from .rewrite import backward_region, forward_region, rewrite_site
-from .site import AttentionSite
+from .causal_mask import mask_pattern
+from .rewrite import BackwardRegion, backward_region, forward_region, rewrite_site
+from .site import BSHD, AttentionSite
 from .softmax_dim_guard import move_softmax_to_last_dim
 from .support import refusal_reason
 
@@ -36,23 +37,31 @@ def match_site(node: fx.Node) -> Optional[AttentionSite]:
     return match_softmax_attention(softmax) if softmax is not None else None
 
 
-def _decide(site: AttentionSite) -> Optional[Any]:
-    """Fills in the site's refusal, returns its backward region (joint graphs) when it is rewritten."""
+def _sequence_lengths(site: AttentionSite) -> tuple:
+    q_shape, k_shape = site.q.meta["val"].shape, site.k.meta["val"].shape
+    seq_q = q_shape[1] if site.layouts["q"] == BSHD else q_shape[-2]
+    seq_k = k_shape[1] if site.layouts["k"] == BSHD else k_shape[-2]
+    return seq_q, seq_k
+
+
+def _simplify_mask(site: AttentionSite) -> None:
+    """A mask proven causal becomes is_causal=True (the kernel skips tiles); one hiding nothing goes."""
+    if site.mask is None or site.is_causal or site.extra_masks:
+        return
+    proven = mask_pattern(site.mask, site.mask_negated, *_sequence_lengths(site))
+    if proven == "causal":
+        site.is_causal, site.mask = True, None
+        site.notes.append("mask proven causal")
+    elif proven == "all":
+        site.mask = None
+        site.notes.append("mask proven all-visible")
+
+
+def _decide(site: AttentionSite) -> Optional[BackwardRegion]:
+    """Sets the site's refusal if it must stay; returns its backward region in a training graph."""
     if site.refusal:
         return None
-    from .causal_mask import mask_pattern  # noqa: PLC0415 - keeps the pass import small
-
-    if site.mask is not None and not site.is_causal and not site.extra_masks:
-        q_shape, k_shape = site.q.meta["val"].shape, site.k.meta["val"].shape
-        seq_q = q_shape[1] if site.layouts["q"] == "bshd" else q_shape[-2]
-        seq_k = k_shape[1] if site.layouts["k"] == "bshd" else k_shape[-2]
-        proven = mask_pattern(site.mask, site.mask_negated, seq_q, seq_k)
-        if proven == "causal":
-            site.is_causal, site.mask = True, None
-            site.notes.append("mask proven causal")
-        elif proven == "all":
-            site.mask = None
-            site.notes.append("mask proven all-visible")
+    _simplify_mask(site)
     refused = refusal_reason(site)
     if refused:
         site.refuse(*refused)

@@ -124,6 +124,8 @@ def _walk_up_scores(x: fx.Node) -> Optional[_Scores]:
             if a_scores == b_scores:
                 return None
             x, mask = (a, b) if a_scores else (b, a)
+            if not tensor_val(mask).dtype.is_floating_point:  # s + bool adds 1.0: not a mask the op knows
+                return _refused(scores, "non_float_additive_mask")
             if scores.factors or scores.mask_negated or any(_is_bool(m) for m in scores.masks):
                 return _refused(scores, "scale_after_mask" if scores.factors else "several_masks")
             scores.masks.append(mask)

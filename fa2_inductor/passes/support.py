@@ -2,16 +2,43 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Optional
 
 import torch
 
 from .. import _cuda, config, ops
-from .fx_utils import tensor_val
+from .fx_utils import same_shape, tensor_val
 from .rewrite import mask_value_in_op_layout, value_in_op_layout
 from .site import AttentionSite
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _hint(size) -> int:
+    """The example value of a size (``SymNode.hint`` exists on every supported torch version)."""
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint
+    return 1 if hint is None else int(hint)  # unbacked: any value; the op re-checks at run time
+
+
+def _with_size_hints(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A fake tensor with the example sizes of a symbolic one: the kernel's rules are about numbers."""
+    if t is None or all(isinstance(s, int) for s in (*t.shape, *t.stride())):
+        return t
+    shape = [_hint(s) for s in t.shape]
+    stride = [_hint(s) for s in t.stride()]
+    with torch._guards.detect_fake_mode([t]) or contextlib.nullcontext():  # never a real (CUDA) allocation
+        return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
+
+
+def _kernel_reason(q, k, v, mask, is_causal) -> Optional[str]:
+    q, k, v, mask = (_with_size_hints(t) for t in (q, k, v, mask))
+    with warnings.catch_warnings():  # the kernel's alignment rule reads data_ptr(), which is 0 on a fake tensor
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        return _cuda.kernel_unsupported_reason(q, k, v, mask, is_causal)
 
 
 def refusal_reason(site: AttentionSite) -> Optional[tuple[str, str]]:
@@ -26,11 +53,14 @@ def refusal_reason(site: AttentionSite) -> Optional[tuple[str, str]]:
         ops.check_inputs(q, k, v, mask, site.is_causal)
     except ValueError as error:
         return "not_computable", str(error)
-    if tensor_val(site.anchor).dtype != q.dtype:
-        return "output_dtype", f"{tensor_val(site.anchor).dtype} output from {q.dtype} inputs"
+    out = value_in_op_layout(tensor_val(site.anchor), site.layouts["out"])
+    if out.dtype != q.dtype:
+        return "output_dtype", f"{out.dtype} output from {q.dtype} inputs"
+    if not same_shape(out.shape, [*q.shape[:-1], v.shape[-1]]):  # e.g. a mask that broadcast the scores to a larger shape
+        return "output_shape", f"{tuple(out.shape)}"
     if q.device.type == "cpu":
         return None if config.rewrite_on_cpu else ("cpu_device", "set fa2_inductor.config.rewrite_on_cpu")
     if q.device.type != "cuda":
         return "device", q.device.type
-    reason = _cuda.kernel_unsupported_reason(q, k, v, mask, site.is_causal)
+    reason = _kernel_reason(q, k, v, mask, site.is_causal)
     return None if reason is None else ("kernel_unsupported", reason)
