@@ -40,7 +40,7 @@ def _data_ptr(t: Tensor) -> Optional[int]:
     torch.compile traces or a graph pass inspects node metadata); the op re-checks at run time."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    if isinstance(t, FakeTensor) or torch._is_functional_tensor(t):
+    if isinstance(t, FakeTensor) or t.device.type == "meta" or torch._is_functional_tensor(t):
         return None
     try:
         return t.data_ptr()
