@@ -153,14 +153,14 @@ def forward(
         out.zero_()
         lse.fill_(float("-inf"))
         return
+    if scale == 0:  # rare: the kernels mask scores with -inf before scaling (0 * -inf = NaN)
+        from . import reference
+
+        reference.attention_forward(q, k, v, attn_mask, 0.0, is_causal, out, lse)
+        return
     if attn_mask is not None:
         if is_causal:
             raise ValueError("_cuda.forward: attn_mask together with is_causal is not supported")
-        if scale == 0:  # rare: the masked kernels need a positive scale; exact reference path
-            from . import reference
-
-            reference.attention_forward(q, k, v, attn_mask, 0.0, False, out, lse)
-            return
         if scale < 0:
             q, scale = -q, -scale
         _extension.C.fwd_masked(q, k, v, out, lse, float(scale), _expanded_mask(attn_mask, q, k))
