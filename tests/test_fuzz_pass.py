@@ -148,7 +148,7 @@ def cpu_pass():
     torch._dynamo.reset()
 
 
-@settings(max_examples=30, deadline=None, derandomize=True,
+@settings(max_examples=15, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(case=CASES)
 def test_compiled_equals_eager(cpu_pass, case):

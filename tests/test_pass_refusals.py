@@ -77,6 +77,8 @@ REFUSED = {
 @pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
 @pytest.mark.parametrize("reason", REFUSED)
 def test_refused_and_counted(cpu_pass, reason, train):
+    if reason == "dtype" and train and torch.__version__ < "2.13":
+        pytest.skip("Inductor 2.11 itself fails float64 attention training on CPU (also without this pass)")
     fn, make = REFUSED[reason]
     compile_and_compare(fn, *qkv(train=train, **make), rewrites=0, train=train)
     assert pass_counts() == {f"refused:{reason}": 1}
