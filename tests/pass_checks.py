@@ -49,14 +49,15 @@ def compile_and_compare(fn, *inputs, rewrites: int, train: bool = False, dynamic
     return code
 
 
-def qkv(batch=2, heads=4, seq_q=8, seq_k=None, dim=16, kv_heads=None, dtype=torch.float32, train=False, bshd=False):
-    """Random q, k, v ([B, H, S, D], or [B, S, H, D] with bshd) on CPU."""
+def qkv(batch=2, heads=4, seq_q=8, seq_k=None, dim=16, kv_heads=None, dtype=torch.float32, train=False, bshd=False,
+        device="cpu"):
+    """Random q, k, v ([B, H, S, D], or [B, S, H, D] with bshd)."""
     seq_k = seq_q if seq_k is None else seq_k
     kv_heads = heads if kv_heads is None else kv_heads
     torch.manual_seed(0)
 
     def make(h, s):
         shape = (batch, s, h, dim) if bshd else (batch, h, s, dim)
-        return torch.randn(shape, dtype=dtype).requires_grad_(train)
+        return torch.randn(shape, dtype=dtype).to(device).requires_grad_(train)
 
     return make(heads, seq_q), make(kv_heads, seq_k), make(kv_heads, seq_k)
