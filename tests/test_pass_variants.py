@@ -198,6 +198,13 @@ def test_causal_masks_become_is_causal(op_nodes, name, seq_k):
     assert attn_mask is None and is_causal is True
 
 
+def test_long_causal_mask_is_proven_too(op_nodes):
+    # 8k x 8k: the size of the end-to-end benchmark's prefill, where a mask kept as a tensor costs time.
+    compile_and_compare(_sdpa_with_position_mask, *qkv(batch=1, heads=1, seq_q=8192, dim=8), rewrites=1)
+    _, _, _, attn_mask, _, is_causal = op_nodes[0].args
+    assert attn_mask is None and is_causal is True
+
+
 def test_causal_mask_in_training(op_nodes):
     compile_and_compare(_tril_ones, *qkv(train=True), rewrites=1, train=True)
     assert op_nodes[0].args[3] is None and op_nodes[0].args[5] is True

@@ -14,8 +14,9 @@ import torch.fx as fx
 
 from .fx_utils import tensor_val
 
-# Larger masks are not evaluated (the proof would cost more than it saves at compile time).
-_MAX_MASK_ELEMENTS = 1 << 24
+# Larger masks are not evaluated (the proof would cost more than it saves at compile time). 2**28
+# covers a [1, 1, 16k, 16k] mask: a quarter of a second and 256 MiB of bools, once per compile.
+_MAX_MASK_ELEMENTS = 1 << 28
 # An additive mask entry this negative adds exactly 0 probability after softmax's exp().
 _NEGLIGIBLE_BIAS = torch.finfo(torch.float16).min
 
@@ -68,7 +69,7 @@ def _attend_pattern(mask_value: torch.Tensor, negated: bool) -> Optional[torch.T
     if negated or not mask_value.dtype.is_floating_point:
         return None
     zero = mask_value == 0
-    blocked = mask_value.double() <= _NEGLIGIBLE_BIAS
+    blocked = mask_value <= _NEGLIGIBLE_BIAS
     return zero if bool((zero | blocked).all()) else None
 
 
