@@ -37,16 +37,6 @@ class UserPass(CustomGraphPass):
         return self._uuid
 
 
-@pytest.fixture
-def cpu_pass(monkeypatch):
-    monkeypatch.setattr(fa2_inductor.config, "rewrite_on_cpu", True)
-    torch._dynamo.reset()
-    counters.clear()
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
-    torch._dynamo.reset()
-
-
 def test_entry_point_is_registered():
     names = [ep.name for ep in entry_points(group="torch_dynamo_backends")]
     assert "fa2_inductor" in names

@@ -9,16 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-import fa2_inductor
 from tests.pass_checks import compile_and_compare, qkv
-
-
-@pytest.fixture
-def cpu_pass(monkeypatch):
-    monkeypatch.setattr(fa2_inductor.config, "rewrite_on_cpu", True)
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
-    torch._dynamo.reset()
 
 
 def _symbolic_scale(q, k, v):

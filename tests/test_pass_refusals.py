@@ -15,14 +15,6 @@ from tests.pass_checks import compile_and_compare, pass_counts, qkv
 D = 16
 
 
-@pytest.fixture
-def cpu_pass(monkeypatch):
-    monkeypatch.setattr(fa2_inductor.config, "rewrite_on_cpu", True)
-    with torch._inductor.config.patch(force_disable_caches=True):
-        yield
-    torch._dynamo.reset()
-
-
 def _scores(q, k):
     return q @ k.transpose(-2, -1) / math.sqrt(D)
 
