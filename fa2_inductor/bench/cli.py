@@ -1,0 +1,160 @@
+"""The command line: the sweep's flags, the run cell by cell, ``--replot`` and ``--masks``.
+
+It lives here rather than in ``__main__`` so that the package can re-export ``main`` without importing
+``__main__`` (which ``python -m`` would then warn about and run a second time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .cases import CAUSAL_CHOICES, DTYPES, PAPER_HIDDEN, PAPER_TOKENS, sweep_cells
+from .implementations import DEFAULT_IMPLS, IMPLEMENTATIONS, TOLERANCES
+from .masks import mask_rows
+from .measure import CellResult, measure_cell
+from .plot import draw_plot, plot_title
+from .report import Progress, environment, environment_line, write_json
+from .timing import TIME_BUDGET_MS
+
+FULL_SWEEP = {
+    "seqlens": [512, 1024, 2048, 4096, 8192, 16384],
+    "head_dims": [64, 128, 256],
+    "dtypes": ["bf16", "fp16"],
+    "causal": "both",
+    "warmup": 5,
+    "reps": 20,
+}
+QUICK_SWEEP = {
+    "seqlens": [1024, 4096, 16384],
+    "head_dims": [128],
+    "dtypes": ["bf16"],
+    "causal": "both",
+    "warmup": 3,
+    "reps": 10,
+}
+# CPU runs exist to test the benchmark's logic; bigger problems would only make the test slow.
+_MAX_CPU_SCORES = 1 << 22
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fa2_inductor.bench",
+        description="Forward attention TFLOP/s of fa2_inductor and torch SDPA backends on FlashAttention-paper shapes.",
+    )
+    full = FULL_SWEEP
+    parser.add_argument("--seqlens", type=int, nargs="+", help=f"default {full['seqlens']}")
+    parser.add_argument("--head-dims", type=int, nargs="+", help=f"default {full['head_dims']}")
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help=f"default {full['dtypes']}")
+    parser.add_argument("--causal", choices=sorted(CAUSAL_CHOICES), help="default both")
+    parser.add_argument(
+        "--impls", nargs="+", choices=list(IMPLEMENTATIONS), default=list(DEFAULT_IMPLS),
+        help="default %(default)s; 'inductor' (torch.compile of a hand-written attention) costs a compile per cell",
+    )
+    parser.add_argument("--warmup", type=int, help=f"untimed calls per cell and implementation ({full['warmup']})")
+    parser.add_argument("--reps", type=int, help=f"timed calls; the median counts ({full['reps']})")
+    parser.add_argument(
+        "--check", action=argparse.BooleanOptionalAction, default=True,
+        help="compare each output with SDPA's before timing; a mismatch is marked WRONG and not timed (default on)",
+    )
+    parser.add_argument("--quick", action="store_true", help=f"a small sweep: {QUICK_SWEEP}; explicit flags still win")
+    parser.add_argument("--tokens", type=int, default=PAPER_TOKENS, help="batch·seqlen (default %(default)s)")
+    parser.add_argument("--hidden", type=int, default=PAPER_HIDDEN, help="heads·head_dim (default %(default)s)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=Path("fa2_bench.json"), help="default %(default)s")
+    parser.add_argument("--plot", type=Path, default=Path("fa2_bench.png"), help="default %(default)s")
+    parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw --plot from a saved JSON")
+    parser.add_argument(
+        "--masks", action="store_true",
+        help="only the attention-mask rows (bf16, D=128, --tokens/--hidden shapes): causal as a bool mask vs "
+        "is_causal, padding vs no mask at the same visible keys, sliding window vs SDPA, HF/T5 additive masks, "
+        "pre-pass cost; writes --json",
+    )
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for key, value in (QUICK_SWEEP if args.quick else FULL_SWEEP).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.impls = list(dict.fromkeys(args.impls))
+    _validate(parser, args)
+    return args
+
+
+def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if min(args.seqlens) < 1 or args.tokens < 1 or args.hidden < 1:
+        parser.error("seqlens, --tokens and --hidden must be positive")
+    if not all(1 <= d <= 256 for d in args.head_dims):
+        parser.error("head dims must be between 1 and 256")
+    if args.warmup < 0 or args.reps < 1:
+        parser.error("--warmup must be >= 0 and --reps >= 1")
+    if torch.device(args.device).type == "cpu" and args.replot is None:
+        cells = sweep_cells(args.seqlens, args.head_dims, args.dtypes, (False,), args.tokens, args.hidden)
+        if max(c.batch * c.heads * c.seqlen * c.seqlen for c in cells) > _MAX_CPU_SCORES:
+            parser.error(
+                "on the CPU the benchmark only tests its own logic; give tiny shapes, "
+                "e.g. --tokens 64 --hidden 32 --seqlens 16 32 --head-dims 8 16"
+            )
+
+
+def run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("seqlens", "head_dims", "dtypes", "causal", "impls", "warmup", "reps", "check", "tokens", "hidden", "seed")
+    return {
+        **{key: getattr(args, key) for key in keys},
+        "time_budget_ms": TIME_BUDGET_MS,
+        "tolerances": {name: TOLERANCES[dtype] for name, dtype in DTYPES.items()},
+    }
+
+
+def run(args: argparse.Namespace) -> list[CellResult]:
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # the timers synchronise and record on the current device
+    causal_flags = CAUSAL_CHOICES[args.causal]
+    cells = sweep_cells(args.seqlens, args.head_dims, args.dtypes, causal_flags, args.tokens, args.hidden)
+    env = environment(device)
+    print(environment_line(env))
+    print(f"kernel: {env['kernel_status']}")
+    print(f"{len(cells)} cells x {len(args.impls)} implementations, warm-up {args.warmup}, median of {args.reps} "
+          f"(fewer where timing one would pass {TIME_BUDGET_MS / 1000:.0f} s)")
+    progress = Progress(len(cells), args.impls, args)
+    results = []
+    for cell in cells:
+        progress.starting(cell)
+        results.append(measure_cell(cell, args.impls, device, args))
+        progress.finished(results[-1])
+        document = {"environment": env, "settings": run_settings(args), "results": [r.to_record() for r in results]}
+        write_json(args.json, document)
+    print(f"\n{len(cells)} cells in {time.perf_counter() - progress.start:.0f} s; JSON: {args.json}")
+    if draw_plot(document["results"], args.impls, args.plot, plot_title(env)):
+        print(f"plot: {args.plot}")
+    return results
+
+
+def replot(json_path: Path, plot_path: Path) -> None:
+    document = json.loads(json_path.read_text())
+    if draw_plot(document["results"], document["settings"]["impls"], plot_path, plot_title(document["environment"])):
+        print(f"plot: {plot_path}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Exit status 1 when any implementation was WRONG or failed, so a script running the sweep notices."""
+    args = parse_args(argv)
+    if args.masks:
+        return mask_rows(args)
+    if args.replot is not None:
+        replot(args.replot, args.plot)
+        return 0
+    results = run(args)
+    failed = [m for r in results for m in r.measurements.values() if m.status in ("WRONG", "error")]
+    return 1 if failed else 0

@@ -1,0 +1,66 @@
+"""Timing a call: CUDA events on the GPU, ``perf_counter`` on the CPU, rotating input sets past the cache."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+# ~0.2 ms of GPU sleep before each timed call: Python launches the call while the GPU waits, so the events
+# time the GPU work and not the launch overhead.
+_LAUNCH_CUSHION_CYCLES = 400_000
+# One implementation on one cell may take this long to time; a slow kernel (or one that quietly fell back)
+# then gets fewer reps instead of eating the sweep's GPU minutes.
+TIME_BUDGET_MS = 2000.0
+
+ArgSets = Sequence[tuple]
+
+
+def input_set_count(set_bytes: int, cache_bytes: int, max_sets: int = 8) -> int:
+    """How many input sets to rotate through so that a call never finds its inputs still in the cache."""
+    return max(2, min(max_sets, math.ceil(4 * cache_bytes / max(set_bytes, 1))))
+
+
+def time_cuda(fn: Callable, arg_sets: ArgSets = ((),), *, warmup: int = 5, reps: int = 20) -> list[float]:
+    """Milliseconds of each of ``reps`` calls, from CUDA events on the current stream.
+
+    Call i, counting warm-up calls, gets ``arg_sets[i % len(arg_sets)]``: rotating several input sets means
+    no timed call reuses the inputs (still in L2) of the call before it.
+    """
+    for i in range(warmup):
+        fn(*arg_sets[i % len(arg_sets)])
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    torch.cuda.synchronize()
+    for i in range(reps):
+        torch.cuda._sleep(_LAUNCH_CUSHION_CYCLES)
+        starts[i].record()
+        fn(*arg_sets[(warmup + i) % len(arg_sets)])
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in zip(starts, ends)]
+
+
+def time_cpu(fn: Callable, arg_sets: ArgSets = ((),), *, warmup: int = 5, reps: int = 20) -> list[float]:
+    """``time_cuda`` for CPU work, with ``time.perf_counter``."""
+    for i in range(warmup):
+        fn(*arg_sets[i % len(arg_sets)])
+    times = []
+    for i in range(reps):
+        start = time.perf_counter()
+        fn(*arg_sets[(warmup + i) % len(arg_sets)])
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def time_calls(fn: Callable, arg_sets: ArgSets, device: torch.device, *, warmup: int, reps: int) -> list[float]:
+    timer = time_cuda if device.type == "cuda" else time_cpu
+    return timer(fn, arg_sets, warmup=warmup, reps=reps)
+
+
+def affordable_counts(call_ms: float, warmup: int, reps: int, budget_ms: float = TIME_BUDGET_MS) -> tuple[int, int]:
+    """(warmup, reps) shrunk in proportion so that all the calls fit in ``budget_ms``, keeping 3 reps and 1 warm-up."""
+    share = min(1.0, budget_ms / (max(call_ms, 1e-6) * (warmup + reps)))
+    return min(warmup, max(1, round(warmup * share))), min(reps, max(3, round(reps * share)))
