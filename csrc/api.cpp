@@ -15,15 +15,15 @@
 namespace {
 
 using RunFn = cudaError_t (*)(const fa2::FwdParams&, cudaStream_t);
-using TileFn = void (*)(int*, int*);
+using WorkspaceFn = int64_t (*)(const fa2::FwdParams&);
 
 struct KernelEntry {
   int head_dim;
   fa2::DType dtype;
   const char* dtype_name;
   RunFn run[2];         // [causal]
-  RunFn run_masked[2];  // [0: bool mask, 1: additive mask]
-  TileFn masked_tile;   // (block_m, block_n) of the masked kernels
+  RunFn run_masked[2];                // [0: bool mask, 1: additive mask]
+  WorkspaceFn masked_workspace[2];    // device bytes the masked forward needs, same index
 };
 
 // The masked instantiations (fwd_hdim{D}_{dtype}_mask{bool,add}.cu) share the prefix setup.py
@@ -33,7 +33,8 @@ struct KernelEntry {
               {&fa2::run_fwd<D, fa2::DType::DT, false>, &fa2::run_fwd<D, fa2::DType::DT, true>}, \
               {&fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kBool>,                     \
                &fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kAdditive>},                \
-              &fa2::masked_tile_shape<D, fa2::DType::DT>},
+              {&fa2::masked_workspace_bytes<D, fa2::DType::DT, fa2::MaskKind::kBool>,             \
+               &fa2::masked_workspace_bytes<D, fa2::DType::DT, fa2::MaskKind::kAdditive>}},
 
 const std::vector<KernelEntry>& kernel_table() {
   static const std::vector<KernelEntry> table = {
@@ -85,192 +86,127 @@ int64_t tma_stride(const at::Tensor& t, int dim, const char* name) {
   return s;
 }
 
+// Checks q/k/v/out/lse as both entry points take them and describes them in FwdParams (no mask).
+fa2::FwdParams describe_call(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& out, const at::Tensor& lse, double scale) {
+  check_operand(q, "q", q);
+  check_operand(k, "k", q);
+  check_operand(v, "v", q);
+  check_operand(out, "out", q);
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+                  q.scalar_type() == out.scalar_type(),
+              fn, ": q, k, v, out must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, fn,
+              ": dtype must be bfloat16 or float16, got ", q.scalar_type());
+  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Sk = k.size(2);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == Sk &&
+                  k.size(3) == D && v.size(3) == D,
+              fn, ": k/v shapes do not match q");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, fn, ": Hq must be a multiple of Hkv");
+  TORCH_CHECK(out.sizes() == q.sizes(), fn, ": out must have q's shape");
+  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
+                  lse.dim() == 3 && lse.size(0) == B && lse.size(1) == Hq && lse.size(2) == Sq &&
+                  (lse.stride(2) == 1 || Sq <= 1),
+              fn, ": lse must be float32 [B, Hq, Sq] with unit row stride");
+  TORCH_CHECK(B <= 65535 && Hq <= 65535, fn, ": batch and heads must be <= 65535");
+  TORCH_CHECK(Sq < (int64_t(1) << 31) && Sk < (int64_t(1) << 31), fn, ": sequence too long");
+
+  fa2::FwdParams p;
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.batch = int(B);
+  p.heads_q = int(Hq);
+  p.heads_kv = int(Hkv);
+  p.seqlen_q = int(Sq);
+  p.seqlen_k = int(Sk);
+  p.head_dim = int(D);
+  p.q_batch_stride = tma_stride(q, 0, "q");
+  p.q_head_stride = tma_stride(q, 1, "q");
+  p.q_row_stride = tma_stride(q, 2, "q");
+  p.k_batch_stride = tma_stride(k, 0, "k");
+  p.k_head_stride = tma_stride(k, 1, "k");
+  p.k_row_stride = tma_stride(k, 2, "k");
+  p.v_batch_stride = tma_stride(v, 0, "v");
+  p.v_head_stride = tma_stride(v, 1, "v");
+  p.v_row_stride = tma_stride(v, 2, "v");
+  p.o_batch_stride = tma_stride(out, 0, "out");
+  p.o_head_stride = tma_stride(out, 1, "out");
+  p.o_row_stride = tma_stride(out, 2, "out");
+  p.lse_batch_stride = lse.stride(0);
+  p.lse_head_stride = lse.stride(1);
+  p.scale = float(scale);
+  return p;
+}
+
+const KernelEntry& kernel_for(const char* fn, const at::Tensor& q) {
+  const fa2::DType dtype = q.scalar_type() == at::kBFloat16 ? fa2::DType::kBF16 : fa2::DType::kFP16;
+  const KernelEntry* entry = find_kernel(int(q.size(3)), dtype);
+  TORCH_CHECK(entry != nullptr, fn, ": no kernel compiled for head dim ", q.size(3), " and dtype ", q.scalar_type());
+  return *entry;
+}
+
+void check_launch(const char* fn, cudaError_t err) {
+  TORCH_CHECK(err == cudaSuccess, fn, ": kernel launch failed: ", cudaGetErrorString(err));
+}
+
 }  // namespace
 
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
          double scale, bool is_causal) {
-  check_operand(q, "q", q);
-  check_operand(k, "k", q);
-  check_operand(v, "v", q);
-  check_operand(out, "out", q);
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
-                  q.scalar_type() == out.scalar_type(),
-              "fa2_inductor._C.fwd: q, k, v, out must share a dtype");
-  fa2::DType dtype;
-  if (q.scalar_type() == at::kBFloat16) {
-    dtype = fa2::DType::kBF16;
-  } else if (q.scalar_type() == at::kHalf) {
-    dtype = fa2::DType::kFP16;
-  } else {
-    TORCH_CHECK(false, "fa2_inductor._C.fwd: dtype must be bfloat16 or float16, got ", q.scalar_type());
-  }
-  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), Sk = k.size(2);
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == Sk &&
-                  k.size(3) == D && v.size(3) == D,
-              "fa2_inductor._C.fwd: k/v shapes do not match q");
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "fa2_inductor._C.fwd: Hq must be a multiple of Hkv");
-  TORCH_CHECK(out.sizes() == q.sizes(), "fa2_inductor._C.fwd: out must have q's shape");
-  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
-                  lse.dim() == 3 && lse.size(0) == B && lse.size(1) == Hq && lse.size(2) == Sq &&
-                  (lse.stride(2) == 1 || Sq <= 1),
-              "fa2_inductor._C.fwd: lse must be float32 [B, Hq, Sq] with unit row stride");
-  TORCH_CHECK(B <= 65535 && Hq <= 65535, "fa2_inductor._C.fwd: batch and heads must be <= 65535");
-  TORCH_CHECK(Sq < (int64_t(1) << 31) && Sk < (int64_t(1) << 31), "fa2_inductor._C.fwd: sequence too long");
-
-  const KernelEntry* entry = find_kernel(int(D), dtype);
-  TORCH_CHECK(entry != nullptr, "fa2_inductor._C.fwd: no kernel compiled for head dim ", D, " and dtype ",
-              q.scalar_type());
-
-  fa2::FwdParams p;
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.o = out.data_ptr();
-  p.lse = lse.data_ptr<float>();
-  p.batch = int(B);
-  p.heads_q = int(Hq);
-  p.heads_kv = int(Hkv);
-  p.seqlen_q = int(Sq);
-  p.seqlen_k = int(Sk);
-  p.head_dim = int(D);
-  p.q_batch_stride = tma_stride(q, 0, "q");
-  p.q_head_stride = tma_stride(q, 1, "q");
-  p.q_row_stride = tma_stride(q, 2, "q");
-  p.k_batch_stride = tma_stride(k, 0, "k");
-  p.k_head_stride = tma_stride(k, 1, "k");
-  p.k_row_stride = tma_stride(k, 2, "k");
-  p.v_batch_stride = tma_stride(v, 0, "v");
-  p.v_head_stride = tma_stride(v, 1, "v");
-  p.v_row_stride = tma_stride(v, 2, "v");
-  p.o_batch_stride = tma_stride(out, 0, "out");
-  p.o_head_stride = tma_stride(out, 1, "out");
-  p.o_row_stride = tma_stride(out, 2, "out");
-  p.lse_batch_stride = lse.stride(0);
-  p.lse_head_stride = lse.stride(1);
-  p.scale = float(scale);
+  constexpr const char* fn = "fa2_inductor._C.fwd";
+  fa2::FwdParams p = describe_call(fn, q, k, v, out, lse, scale);
   p.causal = is_causal;
-
-  if (B == 0 || Hq == 0 || Sq == 0) return;
+  const KernelEntry& entry = kernel_for(fn, q);
+  if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return;
   c10::cuda::CUDAGuard guard(q.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const cudaError_t err = entry->run[is_causal ? 1 : 0](p, stream);
-  TORCH_CHECK(err == cudaSuccess, "fa2_inductor._C.fwd: kernel launch failed: ", cudaGetErrorString(err));
+  check_launch(fn, entry.run[is_causal ? 1 : 0](p, c10::cuda::getCurrentCUDAStream().stream()));
 }
 
 // Forward with an attention mask already expanded to [B, Hq, Sq, Sk] (zero strides on broadcast
-// dims; any non-negative strides). bool: True = attend; float32/bf16/fp16: additive. Runs the
-// classification pre-pass into a small [CB, CH, num_m, num_n] byte buffer (stream-ordered caching
-// allocation, so CUDA-graph safe), then the masked kernel.
+// dims; any non-negative strides). bool: True = attend; float32/bf16/fp16: additive. The pre-pass
+// writes into a workspace from the caching allocator (stream-ordered, so CUDA-graph safe), then the
+// masked kernel runs.
 void fwd_masked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
                 double scale, const at::Tensor& mask) {
-  check_operand(q, "q", q);
-  check_operand(k, "k", q);
-  check_operand(v, "v", q);
-  check_operand(out, "out", q);
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
-                  q.scalar_type() == out.scalar_type(),
-              "fa2_inductor._C.fwd_masked: q, k, v, out must share a dtype");
-  fa2::DType dtype;
-  if (q.scalar_type() == at::kBFloat16) {
-    dtype = fa2::DType::kBF16;
-  } else if (q.scalar_type() == at::kHalf) {
-    dtype = fa2::DType::kFP16;
-  } else {
-    TORCH_CHECK(false, "fa2_inductor._C.fwd_masked: dtype must be bfloat16 or float16, got ", q.scalar_type());
-  }
-  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), Sk = k.size(2);
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == Sk &&
-                  k.size(3) == D && v.size(3) == D,
-              "fa2_inductor._C.fwd_masked: k/v shapes do not match q");
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "fa2_inductor._C.fwd_masked: Hq must be a multiple of Hkv");
-  TORCH_CHECK(out.sizes() == q.sizes(), "fa2_inductor._C.fwd_masked: out must have q's shape");
-  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
-                  lse.dim() == 3 && lse.size(0) == B && lse.size(1) == Hq && lse.size(2) == Sq &&
-                  (lse.stride(2) == 1 || Sq <= 1),
-              "fa2_inductor._C.fwd_masked: lse must be float32 [B, Hq, Sq] with unit row stride");
-  TORCH_CHECK(B <= 65535 && Hq <= 65535, "fa2_inductor._C.fwd_masked: batch and heads must be <= 65535");
-  TORCH_CHECK(Sq < (int64_t(1) << 31) && Sk < (int64_t(1) << 31), "fa2_inductor._C.fwd_masked: sequence too long");
-  TORCH_CHECK(Sk > 0, "fa2_inductor._C.fwd_masked: needs at least one key");
-  TORCH_CHECK(scale > 0, "fa2_inductor._C.fwd_masked: scale must be positive");
-
-  TORCH_CHECK(mask.is_cuda() && mask.device() == q.device(), "fa2_inductor._C.fwd_masked: mask must be on q's device");
+  constexpr const char* fn = "fa2_inductor._C.fwd_masked";
+  fa2::FwdParams p = describe_call(fn, q, k, v, out, lse, scale);
+  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), Sk = k.size(2);
+  TORCH_CHECK(Sk > 0, fn, ": needs at least one key");
+  TORCH_CHECK(scale > 0, fn, ": scale must be positive");
+  TORCH_CHECK(mask.is_cuda() && mask.device() == q.device(), fn, ": mask must be on q's device");
   TORCH_CHECK(mask.dim() == 4 && mask.size(0) == B && mask.size(1) == Hq && mask.size(2) == Sq && mask.size(3) == Sk,
-              "fa2_inductor._C.fwd_masked: mask must be expanded to [B, Hq, Sq, Sk]");
-  for (int d = 0; d < 4; ++d) {
-    TORCH_CHECK(mask.stride(d) >= 0, "fa2_inductor._C.fwd_masked: mask strides must be non-negative");
-  }
-  fa2::MaskDType mask_dtype;
+              fn, ": mask must be expanded to [B, Hq, Sq, Sk]");
+  for (int d = 0; d < 4; ++d) TORCH_CHECK(mask.stride(d) >= 0, fn, ": mask strides must be non-negative");
   int run_index;
   switch (mask.scalar_type()) {
-    case at::kBool: mask_dtype = fa2::MaskDType::kBool; run_index = 0; break;
-    case at::kFloat: mask_dtype = fa2::MaskDType::kF32; run_index = 1; break;
-    case at::kBFloat16: mask_dtype = fa2::MaskDType::kBF16; run_index = 1; break;
-    case at::kHalf: mask_dtype = fa2::MaskDType::kF16; run_index = 1; break;
-    default: TORCH_CHECK(false, "fa2_inductor._C.fwd_masked: mask dtype must be bool, float32, bfloat16 or float16, got ",
-                         mask.scalar_type());
+    case at::kBool: p.mask_dtype = fa2::MaskDType::kBool; run_index = 0; break;
+    case at::kFloat: p.mask_dtype = fa2::MaskDType::kF32; run_index = 1; break;
+    case at::kBFloat16: p.mask_dtype = fa2::MaskDType::kBF16; run_index = 1; break;
+    case at::kHalf: p.mask_dtype = fa2::MaskDType::kF16; run_index = 1; break;
+    default: TORCH_CHECK(false, fn, ": mask dtype must be bool, float32, bfloat16 or float16, got ", mask.scalar_type());
   }
   static_assert(sizeof(bool) == 1, "bool masks are read as bytes");
-
-  const KernelEntry* entry = find_kernel(int(D), dtype);
-  TORCH_CHECK(entry != nullptr, "fa2_inductor._C.fwd_masked: no kernel compiled for head dim ", D, " and dtype ",
-              q.scalar_type());
+  const KernelEntry& entry = kernel_for(fn, q);
   if (B == 0 || Hq == 0 || Sq == 0) return;
 
   c10::cuda::CUDAGuard guard(q.device());
-  int block_m = 0, block_n = 0;
-  entry->masked_tile(&block_m, &block_n);
-  const int64_t num_m = (Sq + block_m - 1) / block_m, num_n = (Sk + block_n - 1) / block_n;
-  const int64_t class_batches = (B == 1 || mask.stride(0) == 0) ? 1 : B;
-  const int64_t class_heads = (Hq == 1 || mask.stride(1) == 0) ? 1 : Hq;
-  TORCH_CHECK(num_m <= 65535 && class_batches * class_heads <= 65535,
-              "fa2_inductor._C.fwd_masked: mask too large for the block classification grid");
-  at::Tensor block_class = at::empty({class_batches * class_heads * num_m * num_n},
-                                     q.options().dtype(at::kByte));
-
-  fa2::FwdParams p;
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.o = out.data_ptr();
-  p.lse = lse.data_ptr<float>();
-  p.batch = int(B);
-  p.heads_q = int(Hq);
-  p.heads_kv = int(Hkv);
-  p.seqlen_q = int(Sq);
-  p.seqlen_k = int(Sk);
-  p.head_dim = int(D);
-  p.q_batch_stride = tma_stride(q, 0, "q");
-  p.q_head_stride = tma_stride(q, 1, "q");
-  p.q_row_stride = tma_stride(q, 2, "q");
-  p.k_batch_stride = tma_stride(k, 0, "k");
-  p.k_head_stride = tma_stride(k, 1, "k");
-  p.k_row_stride = tma_stride(k, 2, "k");
-  p.v_batch_stride = tma_stride(v, 0, "v");
-  p.v_head_stride = tma_stride(v, 1, "v");
-  p.v_row_stride = tma_stride(v, 2, "v");
-  p.o_batch_stride = tma_stride(out, 0, "out");
-  p.o_head_stride = tma_stride(out, 1, "out");
-  p.o_row_stride = tma_stride(out, 2, "out");
-  p.lse_batch_stride = lse.stride(0);
-  p.lse_head_stride = lse.stride(1);
-  p.scale = float(scale);
-  p.causal = false;
   p.mask = mask.data_ptr();
-  p.mask_dtype = mask_dtype;
   // Size-1 dims are never stepped over; zero strides make the kernel share one mask slice.
   p.mask_batch_stride = B == 1 ? 0 : mask.stride(0);
   p.mask_head_stride = Hq == 1 ? 0 : mask.stride(1);
   p.mask_row_stride = Sq == 1 ? 0 : mask.stride(2);
   p.mask_col_stride = Sk == 1 ? 0 : mask.stride(3);
-  p.block_class = block_class.data_ptr<uint8_t>();
-  p.class_batches = int(class_batches);
-  p.class_heads = int(class_heads);
-
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const cudaError_t err = entry->run_masked[run_index](p, stream);
-  TORCH_CHECK(err == cudaSuccess, "fa2_inductor._C.fwd_masked: kernel launch failed: ", cudaGetErrorString(err));
+  const int64_t class_batches = p.mask_batch_stride == 0 ? 1 : B;
+  const int64_t class_heads = p.mask_head_stride == 0 ? 1 : Hq;
+  TORCH_CHECK(class_batches * class_heads <= 65535 && (p.mask_row_stride == 0 || (Sq + 127) / 128 <= 65535), fn,
+              ": mask too large for the block classification grid");
+  at::Tensor workspace = at::empty({entry.masked_workspace[run_index](p)}, q.options().dtype(at::kByte));
+  p.mask_workspace = workspace.data_ptr();
+  check_launch(fn, entry.run_masked[run_index](p, c10::cuda::getCurrentCUDAStream().stream()));
 }
 
 std::vector<std::tuple<int64_t, std::string>> compiled_kernels() {

@@ -9,6 +9,7 @@
 #       build + smoke (incl. one masked call per head dim) + tests/gpu (test_kernel, test_mask, HF)
 #       + the attention-mask bench rows (python -m fa2_inductor.bench --masks)
 #   STAGES=build,smoke,masktest,maskbench    # only the kernel + mask tests (not the HF ones)
+#   STAGES=...,quickbench                      # + `python -m fa2_inductor.bench --quick`
 #
 # Needs: the nvidia-cutlass wheel under .whl/ (carry it), nvcc, torch with CUDA.
 set -uo pipefail
@@ -130,6 +131,12 @@ if has maskbench; then
   timeout 150 python3 -m fa2_inductor.bench --masks --json "$OUT/mask_bench.json" > "$OUT/mask_bench.log" 2>&1
   note "maskbench: rc=$?"
   cat "$OUT/mask_bench.log" >> "$SUMMARY"
+fi
+
+if has quickbench; then  # regression check of the unmasked kernel: D=128 bf16, 1k/4k/16k, both causal
+  timeout 120 python3 -m fa2_inductor.bench --quick --json "$OUT/bench_quick.json" > "$LOGS/bench_quick.log" 2>&1
+  note "quickbench: rc=$?"
+  tail -30 "$LOGS/bench_quick.log" >> "$SUMMARY"
 fi
 
 if has bench; then

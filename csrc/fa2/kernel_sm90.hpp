@@ -22,8 +22,17 @@ fwd_kernel_sm90(CUTE_GRID_CONSTANT const KernelArgs<Traits> args) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
 
-  const int warp_idx = cutlass::canonical_warp_idx_sync();
   const int warp_group = cutlass::canonical_warp_group_idx();
+  const int num_m_blocks = gridDim.x;
+  // Causal tiles differ in cost: launch the most expensive (last) query tiles first. Masked kernels
+  // do the same: the masks of real models are mostly causal-like (HF causal, sliding windows).
+  constexpr bool kReverseM = T::kCausal || T::kMask != MaskKind::kNone;
+  const int m_block = kReverseM ? num_m_blocks - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  // Masked kernels: fully masked key blocks (pre-pass classes) are never loaded nor computed; the
+  // list is read here so its latency overlaps the barrier set-up.
+  const KeyBlocks<T> blocks = key_blocks<T>(args, m_block, head, batch);
 
   if (threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
@@ -43,22 +52,10 @@ fwd_kernel_sm90(CUTE_GRID_CONSTANT const KernelArgs<Traits> args) {
   typename T::Pipeline pipe_v(smem.pipe_v, pipe_params, Shape<_1, _1, _1>{});
   __syncthreads();  // barrier initialisation visible to every thread
 
-  const int num_m_blocks = gridDim.x;
-  // Causal tiles differ in cost: launch the most expensive (last) query tiles first. Masked kernels
-  // do the same: the masks of real models are mostly causal-like (HF causal, sliding windows).
-  constexpr bool kReverseM = T::kCausal || T::kMask != MaskKind::kNone;
-  const int m_block = kReverseM ? num_m_blocks - 1 - int(blockIdx.x) : int(blockIdx.x);
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const int n_blocks = num_key_blocks<T>(m_block * T::kBlockM, args.seqlen_k);
-  // Masked kernels: fully masked key blocks (pre-pass classes) are never loaded nor computed.
-  const uint8_t* cls = block_classes<T>(args, m_block, head, batch);
-  (void)warp_idx;
-
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
-    if (threadIdx.x == 0 && next_key_block<T>(cls, n_blocks) >= 0) {
-      producer_load<T>(args, smem, pipe_k, pipe_v, m_block, head, batch, n_blocks, cls);
+    if (threadIdx.x == 0 && blocks.count > 0) {
+      producer_load<T>(args, smem, pipe_k, pipe_v, m_block, head, batch, blocks);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
@@ -67,8 +64,8 @@ fwd_kernel_sm90(CUTE_GRID_CONSTANT const KernelArgs<Traits> args) {
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<typename T::TileM, typename T::TileD>{});
     clear(tOrO);
     OnlineSoftmax<2> softmax(args.scale);
-    if (next_key_block<T>(cls, n_blocks) >= 0) {  // kNone: n_blocks > 0
-      consumer_mainloop<T>(args, smem, pipe_k, pipe_v, tOrO, softmax, tid, m_block, n_blocks, cls, head, batch);
+    if (blocks.count > 0) {
+      consumer_mainloop<T>(args, smem, pipe_k, pipe_v, tOrO, softmax, tid, m_block, blocks, head, batch);
     } else {
       // No key at all: O = 0 and LSE = -inf. Q was never loaded, nothing to wait for.
     }

@@ -16,6 +16,44 @@ namespace fa2 {
 
 using namespace cute;
 
+// The masked kernels' view of p's mask: class grid, 16-byte path, and the pre-pass outputs' places
+// in p.mask_workspace (null pointers when it is not allocated yet; `workspace` gives its size).
+struct MaskPlan {
+  MaskArgs args;
+  MaskWorkspace workspace;
+};
+
+template <class Traits>
+MaskPlan plan_mask(const FwdParams& p) {
+  using T = Traits;
+  MaskArgs mk{};
+  mk.ptr = p.mask;
+  mk.batch_stride = p.mask_batch_stride;
+  mk.head_stride = p.mask_head_stride;
+  mk.row_stride = p.mask_row_stride;
+  mk.col_stride = p.mask_col_stride;
+  mk.dtype = int(p.mask_dtype);
+  auto aligned16 = [](int64_t bytes) { return bytes % 16 == 0; };
+  mk.vector_bytes = p.mask_dtype == MaskDType::kBool && p.mask_col_stride == 1 &&
+                    aligned16(int64_t(reinterpret_cast<uintptr_t>(p.mask))) && aligned16(p.mask_row_stride) &&
+                    aligned16(p.mask_head_stride) && aligned16(p.mask_batch_stride);
+  mk.row_broadcast = p.mask_row_stride == 0;
+  const int num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
+  mk.class_batches = p.mask_batch_stride == 0 ? 1 : p.batch;
+  mk.class_heads = p.mask_head_stride == 0 ? 1 : p.heads_q;
+  mk.class_m_blocks = mk.row_broadcast ? 1 : num_m_blocks;
+  mk.num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
+  mk.bit_rows = mk.row_broadcast ? 1 : num_m_blocks * T::kBlockM;
+  const MaskWorkspace ws = MaskWorkspace::plan<T::kBlockM, T::kBlockN, T::kMask>(
+      int64_t(mk.class_batches) * mk.class_heads, mk.class_m_blocks, mk.num_n_blocks, mk.bit_rows);
+  if (auto* base = static_cast<char*>(p.mask_workspace)) {
+    mk.block_class = reinterpret_cast<uint8_t*>(base + ws.class_offset);
+    mk.visit = reinterpret_cast<int32_t*>(base + ws.visit_offset);
+    mk.bits = T::kMask == MaskKind::kBool ? reinterpret_cast<uint32_t*>(base + ws.bits_offset) : nullptr;
+  }
+  return {mk, ws};
+}
+
 template <class Traits>
 cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   using T = Traits;
@@ -60,26 +98,22 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
 
   const int num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
   if constexpr (T::kMask != MaskKind::kNone) {
-    // Pre-pass: classify the mask's blocks into p.block_class, [CB, CH, num_m, num_n].
-    const int num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
-    if (p.seqlen_k == 0 || p.block_class == nullptr || p.mask == nullptr) return cudaErrorInvalidValue;
-    if (num_m_blocks > 65535 || p.class_batches * p.class_heads > 65535) return cudaErrorInvalidConfiguration;
-    const int64_t per_head = int64_t(num_m_blocks) * num_n_blocks;
-    args.mask = MaskArgs{p.mask,
-                         p.mask_batch_stride,
-                         p.mask_head_stride,
-                         p.mask_row_stride,
-                         p.mask_col_stride,
-                         p.block_class,
-                         p.class_batches > 1 ? int64_t(p.class_heads) * per_head : 0,
-                         p.class_heads > 1 ? per_head : 0,
-                         num_n_blocks,
-                         int(p.mask_dtype)};
-    dim3 class_grid(num_n_blocks, num_m_blocks, p.class_batches * p.class_heads);
-    classify_mask_blocks<T::kBlockM, T::kBlockN>
-        <<<class_grid, kClassifyThreads, 0, stream>>>(args.mask, p.block_class, p.seqlen_q, p.seqlen_k, p.class_heads);
-    cudaError_t class_err = cudaGetLastError();
-    if (class_err != cudaSuccess) return class_err;
+    // Pre-pass: classify the mask's blocks (bool: and pack their bits), then list the blocks each
+    // query tile visits.
+    if (p.seqlen_k == 0 || p.mask_workspace == nullptr || p.mask == nullptr) return cudaErrorInvalidValue;
+    args.mask = plan_mask<T>(p).args;
+    const MaskArgs& mk = args.mask;
+    if (mk.class_m_blocks > 65535 || mk.class_batches * mk.class_heads > 65535) {
+      return cudaErrorInvalidConfiguration;
+    }
+    dim3 class_grid(mk.num_n_blocks, mk.class_m_blocks, mk.class_batches * mk.class_heads);
+    classify_mask_blocks<T::kBlockM, T::kBlockN, T::kMask>
+        <<<class_grid, kClassifyThreads, 0, stream>>>(mk, p.seqlen_q, p.seqlen_k);
+    const int64_t class_rows = int64_t(mk.class_batches) * mk.class_heads * mk.class_m_blocks;
+    list_visited_blocks<kListWarps><<<unsigned((class_rows + kListWarps - 1) / kListWarps), 32 * kListWarps, 0, stream>>>(
+        mk, class_rows);
+    cudaError_t prepass_err = cudaGetLastError();
+    if (prepass_err != cudaSuccess) return prepass_err;
   }
 
   auto kernel = &fwd_kernel_sm90<T>;
@@ -111,11 +145,9 @@ cudaError_t run_fwd_masked(const FwdParams& params, cudaStream_t stream) {
   return launch_fwd<KernelTraits<HeadDim, Dt, false, Kind>>(params, stream);
 }
 
-template <int HeadDim, DType Dt>
-void masked_tile_shape(int* block_m, int* block_n) {
-  using T = KernelTraits<HeadDim, Dt, false, MaskKind::kBool>;
-  *block_m = T::kBlockM;
-  *block_n = T::kBlockN;
+template <int HeadDim, DType Dt, MaskKind Kind>
+int64_t masked_workspace_bytes(const FwdParams& params) {
+  return plan_mask<KernelTraits<HeadDim, Dt, false, Kind>>(params).workspace.total_bytes;
 }
 
 }  // namespace fa2
@@ -123,7 +155,7 @@ void masked_tile_shape(int* block_m, int* block_n) {
 // One explicit instantiation per compile unit in csrc/instantiations/.
 #define FA2_INSTANTIATE_FWD(HDIM, DT, CAUSAL) \
   template cudaError_t fa2::run_fwd<HDIM, fa2::DType::DT, CAUSAL>(const fa2::FwdParams&, cudaStream_t);
-#define FA2_INSTANTIATE_FWD_MASKED(HDIM, DT, KIND) \
-  template cudaError_t fa2::run_fwd_masked<HDIM, fa2::DType::DT, fa2::MaskKind::KIND>(const fa2::FwdParams&, cudaStream_t);
-#define FA2_INSTANTIATE_MASKED_TILE(HDIM, DT) \
-  template void fa2::masked_tile_shape<HDIM, fa2::DType::DT>(int*, int*);
+#define FA2_INSTANTIATE_FWD_MASKED(HDIM, DT, KIND)                                                              \
+  template cudaError_t fa2::run_fwd_masked<HDIM, fa2::DType::DT, fa2::MaskKind::KIND>(const fa2::FwdParams&,    \
+                                                                                       cudaStream_t);          \
+  template int64_t fa2::masked_workspace_bytes<HDIM, fa2::DType::DT, fa2::MaskKind::KIND>(const fa2::FwdParams&);

@@ -129,56 +129,6 @@ struct KernelArgs {
   typename Traits::MaskArgsT mask;  // empty for MaskKind::kNone
 };
 
-// Block classes of this CTA's query tile (masked kernels), else nullptr.
-template <class Traits>
-CUTE_DEVICE const uint8_t* block_classes(const KernelArgs<Traits>& args, int m_block, int head, int batch) {
-  if constexpr (Traits::kMask == MaskKind::kNone) {
-    return nullptr;
-  } else {
-    return args.mask.block_class + int64_t(batch) * args.mask.class_batch_stride +
-           int64_t(head) * args.mask.class_head_stride + int64_t(m_block) * args.mask.num_n_blocks;
-  }
-}
-
-// The next key block below n that must be visited (-1 when none): masked kernels skip the blocks
-// the pre-pass found fully masked. Producer and consumers walk the same sequence.
-template <class Traits>
-CUTE_DEVICE int next_key_block(const uint8_t* cls, int n) {
-  if constexpr (Traits::kMask == MaskKind::kNone) {
-    return n - 1;
-  } else {
-    --n;
-    while (n >= 0 && cls[n] == 0) --n;
-    return n;
-  }
-}
-
-// Masks the S tile of key block n in place. kNone: sequence tail / causal as before. Masked:
-// kAdditive first scales S (the softmax then works on scaled scores), partial blocks read the
-// user's mask, and the sequence tail is masked on top.
-template <class Traits, class TensorS, class TensorC>
-CUTE_DEVICE void mask_scores(const KernelArgs<Traits>& args, TensorS& s_rc, const TensorC& c_rc,
-                             const uint8_t* cls, int n, int m0, int head, int batch) {
-  using T = Traits;
-  if constexpr (T::kMask == MaskKind::kNone) {
-    if (block_needs_mask<T::kCausal, T::kBlockN>(n, m0, args.seqlen_k)) {
-      apply_mask<T::kCausal>(s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k);
-    }
-  } else {
-    if constexpr (T::kMask == MaskKind::kAdditive) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(s_rc); ++i) s_rc(i) *= args.scale;
-    }
-    if (cls[n] == 2) {
-      apply_user_mask<T::kMask>(s_rc, c_rc, args.mask, batch, head, m0, n * T::kBlockN, args.seqlen_q,
-                                args.seqlen_k);
-    }
-    if (block_needs_mask<false, T::kBlockN>(n, m0, args.seqlen_k)) {
-      apply_mask<false>(s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k);
-    }
-  }
-}
-
 // Number of key blocks the query tile starting at m0 must visit.
 template <class Traits>
 CUTE_DEVICE int num_key_blocks(int m0, int seqlen_k) {
@@ -187,12 +137,92 @@ CUTE_DEVICE int num_key_blocks(int m0, int seqlen_k) {
   return (visible + Traits::kBlockN - 1) / Traits::kBlockN;
 }
 
+// The key blocks one CTA visits, highest first, as entries block * 2 + partial. Unmasked: every
+// block up to the sequence end (causal: up to the diagonal), none partial (tails and the causal
+// diagonal are found from the block index). Masked: the pre-pass's list, which leaves out the fully
+// masked blocks; producer and consumers walk the same list.
+template <class Traits>
+struct KeyBlocks {
+  const int32_t* entries = nullptr;  // masked kernels only
+  int count = 0;
+
+  CUTE_DEVICE int entry(int i) const {
+    if constexpr (Traits::kMask == MaskKind::kNone) {
+      return (count - 1 - i) * 2;
+    } else {
+      return entries[i];
+    }
+  }
+  CUTE_DEVICE static int block(int entry) { return entry >> 1; }
+  CUTE_DEVICE static bool partial(int entry) { return entry & 1; }
+};
+
+template <class Traits>
+CUTE_DEVICE KeyBlocks<Traits> key_blocks(const KernelArgs<Traits>& args, int m_block, int head, int batch) {
+  KeyBlocks<Traits> blocks;
+  if constexpr (Traits::kMask == MaskKind::kNone) {
+    blocks.count = num_key_blocks<Traits>(m_block * Traits::kBlockM, args.seqlen_k);
+  } else {
+    const MaskArgs& mk = args.mask;
+    const int64_t row = mk.class_slice(batch, head) * mk.class_m_blocks + (mk.row_broadcast ? 0 : m_block);
+    const int32_t* list = mk.visit + row * (mk.num_n_blocks + 1);
+    blocks.count = list[0];
+    blocks.entries = list + 1;
+  }
+  return blocks;
+}
+
+// Bool-mask kernels: the bits of a partial block for this thread's rows (a no-op otherwise).
+template <class Traits, class MaskBits, class TensorC>
+CUTE_DEVICE void load_mask_bits(const KernelArgs<Traits>& args, MaskBits& bits, const TensorC& c_rc, int entry,
+                                int m0, int head, int batch) {
+  using T = Traits;
+  if constexpr (T::kMask == MaskKind::kBool) {
+    if (KeyBlocks<T>::partial(entry)) {
+      const MaskArgs& mk = args.mask;
+      const int64_t row_words = int64_t(mk.num_n_blocks) * (T::kBlockN / 32);
+      const uint32_t* tile_bits = mk.bits + mk.class_slice(batch, head) * mk.bit_rows * row_words +
+                                  KeyBlocks<T>::block(entry) * (T::kBlockN / 32);
+      bits.load(tile_bits, mk.row_broadcast ? 0 : row_words, c_rc, m0);
+    }
+  }
+}
+
+// Masks the S tile of key block `entry` in place. kNone: sequence tail / causal as before. Masked:
+// kAdditive first scales S (the softmax then works on scaled scores), partial blocks apply the
+// user's mask (bool: the bits load_mask_bits fetched), and the sequence tail is masked on top.
+template <class Traits, class TensorS, class TensorC, class MaskBits>
+CUTE_DEVICE void mask_scores(const KernelArgs<Traits>& args, TensorS& s_rc, const TensorC& c_rc, int entry,
+                             const MaskBits& bits, int m0, int head, int batch) {
+  using T = Traits;
+  using Blocks = KeyBlocks<T>;
+  const int n = Blocks::block(entry);
+  if constexpr (T::kMask == MaskKind::kNone) {
+    if (block_needs_mask<T::kCausal, T::kBlockN>(n, m0, args.seqlen_k)) {
+      apply_mask<T::kCausal>(s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k);
+    }
+  } else {
+    if constexpr (T::kMask == MaskKind::kAdditive) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(s_rc); ++i) s_rc(i) *= args.scale;
+      if (Blocks::partial(entry)) {
+        apply_additive_mask(s_rc, c_rc, args.mask, batch, head, m0, n * T::kBlockN, args.seqlen_q, args.seqlen_k);
+      }
+    } else {
+      if (Blocks::partial(entry)) bits.apply(s_rc, c_rc);
+    }
+    if (block_needs_mask<false, T::kBlockN>(n, m0, args.seqlen_k)) {
+      apply_mask<false>(s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k);
+    }
+  }
+}
+
 // Producer: one thread issues every TMA copy; K and V of a block go to the same stage of two
 // pipelines so that S = Q.K^T can start while V is still in flight.
 template <class Traits>
 CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                                typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
-                               int m_block, int head, int batch, int n_blocks, const uint8_t* cls) {
+                               int m_block, int head, int batch, const KeyBlocks<Traits>& blocks) {
   using T = Traits;
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
@@ -220,7 +250,8 @@ CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::
   typename T::PipelineState write = cutlass::make_producer_start_state<typename T::Pipeline>();
 
   // K of the first block, then Q, then V: the first S GEMM needs only Q and K.
-  int n = next_key_block<T>(cls, n_blocks);  // kNone: n_blocks - 1
+  using Blocks = KeyBlocks<T>;
+  int n = Blocks::block(blocks.entry(0));
   pipe_k.producer_acquire(write);
   copy(args.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, n), tKsK(_, write.index()));
   bar_q.arrive_and_expect_tx(T::kBytesQ);
@@ -228,7 +259,8 @@ CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::
   pipe_v.producer_acquire(write);
   copy(args.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, n), tVsV(_, write.index()));
   ++write;
-  for (n = next_key_block<T>(cls, n); n >= 0; n = next_key_block<T>(cls, n)) {
+  for (int i = 1; i < blocks.count; ++i) {
+    n = Blocks::block(blocks.entry(i));  // loaded before the wait for a free stage
     pipe_k.producer_acquire(write);
     copy(args.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, n), tKsK(_, write.index()));
     pipe_v.producer_acquire(write);
@@ -278,8 +310,8 @@ CUTE_DEVICE void convert_pairs(TensorD& d, TensorS const& s) {
 template <class Traits, class FragO, class Softmax>
 CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                                    typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
-                                   FragO& tOrO, Softmax& softmax, int tid, int m_block, int n_blocks,
-                                   const uint8_t* cls, int head, int batch) {
+                                   FragO& tOrO, Softmax& softmax, int tid, int m_block,
+                                   const KeyBlocks<Traits>& blocks, int head, int batch) {
   using T = Traits;
   using Element = typename T::Element;
   typename T::TiledMmaQK mma_qk;
@@ -312,9 +344,10 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
 
   // First (highest) key block: always masked when needed, no rescale.
   constexpr bool kScaled = T::kMask == MaskKind::kAdditive;  // softmax on pre-scaled scores
-  constexpr bool kMasked = T::kMask != MaskKind::kNone;
-  int n = next_key_block<T>(cls, n_blocks);  // kNone: n_blocks - 1
-  int n_next = next_key_block<T>(cls, n);    // the block after n, -1 when n is the last
+  int entry = blocks.entry(0);
+  int entry_next = blocks.count > 1 ? blocks.entry(1) : 0;  // list entries are read one block ahead
+  MaskBitsFragment<T::kBlockN, kRows> mask_bits;
+  load_mask_bits<T>(args, mask_bits, c_rc, entry, m0, head, batch);
   // Ping-pong turn taking: warpgroup w waits on barrier w before issuing its GEMMs and then
   // opens the other's. Warpgroup 0 opens its own first turn; the last warpgroup skips its final
   // hand-over so every barrier ends balanced.
@@ -338,28 +371,30 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
   bar_q.wait(0);
   turn_wait();
   wg_gemm<true, -1, false>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
-  turn_pass(kMasked ? n_next < 0 : n_blocks == 1);
+  turn_pass(blocks.count == 1);
   warpgroup_wait<0>();
   warpgroup_fence_operand(tSrS);
   pipe_k.consumer_release(read);
-  mask_scores<T>(args, s_rc, c_rc, cls, n, m0, head, batch);
+  mask_scores<T>(args, s_rc, c_rc, entry, mask_bits, m0, head, batch);
   softmax.template update<true, kScaled>(s_rc, correction);
   convert_pairs(rP, tSrS);
 
   typename T::PipelineState read_v = read;
   ++read;
-  for (n = n_next; n >= 0; n = n_next) {
-    n_next = next_key_block<T>(cls, n);  // kNone: n - 1
+  for (int i = 1; i < blocks.count; ++i) {
+    entry = entry_next;
+    if (i + 1 < blocks.count) entry_next = blocks.entry(i + 1);
+    load_mask_bits<T>(args, mask_bits, c_rc, entry, m0, head, batch);  // used after the S GEMM
     pipe_k.consumer_wait(read);
     turn_wait();
     wg_gemm<true, -1, false>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
     pipe_v.consumer_wait(read_v);
     wg_gemm<false, -1, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
-    turn_pass(kMasked ? n_next < 0 : n == 0);
+    turn_pass(i + 1 == blocks.count);
     warpgroup_wait<1>();  // S of block n is ready; P.V of the previous block may still run
     warpgroup_fence_operand(tSrS);
     pipe_k.consumer_release(read);
-    mask_scores<T>(args, s_rc, c_rc, cls, n, m0, head, batch);
+    mask_scores<T>(args, s_rc, c_rc, entry, mask_bits, m0, head, batch);
     softmax.template update<false, kScaled>(s_rc, correction);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);

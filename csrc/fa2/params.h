@@ -36,14 +36,12 @@ struct FwdParams {
   bool causal = false; // top-left aligned: query i sees keys j <= i
 
   // Attention mask (masked instantiations only), seen as [B, Hq, Sq, Sk] through its strides
-  // (0 on broadcast dims). block_class: [CB, CH, num_m_blocks, num_n_blocks] bytes written by the
-  // pre-pass (0 = fully masked, 1 = fully visible, 2 = partial), CB = 1 when the mask's batch
-  // stride is 0 or B = 1, CH likewise for heads.
+  // (0 on broadcast dims). mask_workspace: masked_workspace_bytes(params) bytes of device memory,
+  // 256-byte aligned, for the pre-pass's block classes, visit lists and (bool masks) bits.
   const void* mask = nullptr;
   MaskDType mask_dtype = MaskDType::kBool;
   int64_t mask_batch_stride = 0, mask_head_stride = 0, mask_row_stride = 0, mask_col_stride = 0;
-  uint8_t* block_class = nullptr;
-  int class_batches = 1, class_heads = 1;
+  void* mask_workspace = nullptr;
 };
 
 // One definition per compiled (head dim, dtype, causal) lives in csrc/instantiations/.
@@ -55,9 +53,8 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream);
 template <int HeadDim, DType Dt, MaskKind Kind>
 cudaError_t run_fwd_masked(const FwdParams& params, cudaStream_t stream);
 
-// Query/key tile of the masked kernels for this head dim: the block_class buffer is
-// [CB, CH, ceil(Sq / block_m), ceil(Sk / block_n)].
-template <int HeadDim, DType Dt>
-void masked_tile_shape(int* block_m, int* block_n);
+// Device workspace the masked forward needs for these params (sizes and mask strides set).
+template <int HeadDim, DType Dt, MaskKind Kind>
+int64_t masked_workspace_bytes(const FwdParams& params);
 
 }  // namespace fa2

@@ -100,6 +100,18 @@ class _MaskRows:
         self.records.append({"row": name, "ours_ms": ours_ms, "other": other, "other_ms": other_ms,
                              "speedup": ratio, **extra})
 
+    def split_prepass(self, call: Callable) -> None:
+        """Adds the pre-pass (classification + visit lists) and main-kernel device times to the last row."""
+        try:
+            kt = _kernel_times_ms(call)
+        except Exception as exc:  # profiler unavailable: the row itself still stands
+            print(f"{'':<44} pre-pass not measured: {describe_exception(exc)}")
+            return
+        pre = sum(ms for name, ms in kt.items() if "classify_mask_blocks" in name or "list_visited_blocks" in name)
+        main = sum(ms for name, ms in kt.items() if "fwd_kernel_sm90" in name)
+        print(f"{'':<44} pre-pass {pre:.4f} ms, main kernel {main:.4f} ms (profiler, per call)")
+        self.records[-1].update(prepass_ms=pre, main_kernel_ms=main)
+
     def at_seqlen(self, seqlen: int) -> None:
         """Every row of one seqlen; its tensors are freed on return, before the next seqlen allocates."""
         op, med, check, row = self.op, self.med, self.check, self.row
@@ -113,14 +125,7 @@ class _MaskRows:
             t_causal = med(lambda: op(q, k, v, None, scale, True))
             row(f"causal as bool [1,1,S,S] S={seqlen}", t_mask, "ours is_causal=True", t_causal,
                 "(target: ours within 10%, i.e. x >= 0.91)", seqlen=seqlen, batch=batch)
-            try:
-                kt = _kernel_times_ms(lambda: op(q, k, v, causal, scale, False))
-                pre = sum(ms for name, ms in kt.items() if "classify_mask_blocks" in name)
-                main = sum(ms for name, ms in kt.items() if "fwd_kernel_sm90" in name)
-                print(f"{'':<44} pre-pass {pre:.4f} ms, main kernel {main:.4f} ms (profiler, per call)")
-                self.records[-1].update(prepass_ms=pre, main_kernel_ms=main)
-            except Exception as exc:  # profiler unavailable: the rows above still stand
-                print(f"{'':<44} pre-pass not measured: {describe_exception(exc)}")
+            self.split_prepass(lambda: op(q, k, v, causal, scale, False))
         hf = torch.where(causal, 0.0, torch.finfo(torch.float32).min).to(torch.float32).expand(batch, 1, seqlen, seqlen)
         if check(f"hf additive {seqlen}", q, k, v, hf, scale):
             t_mask = med(lambda: op(q, k, v, hf, scale, False))
@@ -136,6 +141,7 @@ class _MaskRows:
             t_plain = med(lambda: op(q, kk, vv, None, scale, False))
             row(f"padding [B,1,1,S] S={seqlen} ({visible} visible)", t_mask, f"ours no mask Sk={visible}", t_plain,
                 "(target: x >= 0.91)", seqlen=seqlen, batch=batch)
+            self.split_prepass(lambda: op(q, k, v, pad, scale, False))
         sliding = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 1024))[None, None]
         if seqlen == WINDOW_SEQLEN and check(f"sliding {seqlen}", q, k, v, sliding, scale):
             t_mask = med(lambda: op(q, k, v, sliding, scale, False))

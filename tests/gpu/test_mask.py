@@ -191,8 +191,9 @@ ADD_MASKS = {
     "bias": bias_add,
     "random": random_add,
 }
-# (B, Hq, Hkv, Sq, Sk): odd sizes, GQA, one query row, skippable key blocks
-SHAPES = [(2, 4, 2, 200, 333), (2, 2, 1, 1, 257), (2, 2, 2, 700, 1100)]
+# (B, Hq, Hkv, Sq, Sk): odd sizes, GQA, one query row, skippable key blocks; Sk a multiple of 16
+# (bool masks read 16 bytes at a time there), with and without a short last key tile
+SHAPES = [(2, 4, 2, 200, 333), (2, 2, 1, 1, 257), (2, 2, 2, 700, 1100), (1, 2, 1, 384, 512), (2, 2, 2, 130, 272)]
 MASK_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -230,15 +231,18 @@ BROADCASTS = {
     "full": lambda m: m,
     "expanded_view": lambda m: m[:1, :1].expand(m.shape),
     "col_strided": lambda m: m.transpose(-1, -2).contiguous().transpose(-1, -2),
+    # rows start at odd addresses: the bool pre-pass must fall back from its 16-byte loads
+    "misaligned": lambda m: torch.cat([m[..., :1], m], -1)[..., 1:],
 }
 
 
+@pytest.mark.parametrize("sk", [517, 512])
 @pytest.mark.parametrize("form", list(BROADCASTS))
 @pytest.mark.parametrize("additive", [False, True], ids=["bool", "add"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_mask_broadcast_forms(d, additive, form):
+def test_mask_broadcast_forms(d, additive, form, sk):
     _needs(d, "bf16")
-    b, hq, hkv, sq, sk = 2, 4, 2, 300, 517
+    b, hq, hkv, sq = 2, 4, 2, 300
     g = torch.Generator(device=DEV).manual_seed(11)
     full = torch.rand(b, hq, sq, sk, device=DEV, generator=g) < 0.6
     full[..., :200] = True  # some fully visible blocks
