@@ -345,7 +345,10 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
   // First (highest) key block: always masked when needed, no rescale.
   constexpr bool kScaled = T::kMask == MaskKind::kAdditive;  // softmax on pre-scaled scores
   int entry = blocks.entry(0);
-  int entry_next = blocks.count > 1 ? blocks.entry(1) : 0;  // list entries are read one block ahead
+  // Bool masks read their list one entry ahead: the bits load depends on it and should start before
+  // the S GEMM. (Additive kernels, at the register limit already, would spill the extra entry.)
+  constexpr bool kEntryAhead = T::kMask == MaskKind::kBool;
+  int entry_next = kEntryAhead && blocks.count > 1 ? blocks.entry(1) : 0;
   MaskBitsFragment<T::kBlockN, kRows> mask_bits;
   load_mask_bits<T>(args, mask_bits, c_rc, entry, m0, head, batch);
   // Ping-pong turn taking: warpgroup w waits on barrier w before issuing its GEMMs and then
@@ -382,8 +385,8 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
   typename T::PipelineState read_v = read;
   ++read;
   for (int i = 1; i < blocks.count; ++i) {
-    entry = entry_next;
-    if (i + 1 < blocks.count) entry_next = blocks.entry(i + 1);
+    entry = kEntryAhead ? entry_next : blocks.entry(i);
+    if (kEntryAhead && i + 1 < blocks.count) entry_next = blocks.entry(i + 1);
     load_mask_bits<T>(args, mask_bits, c_rc, entry, m0, head, batch);  // used after the S GEMM
     pipe_k.consumer_wait(read);
     turn_wait();
