@@ -72,6 +72,7 @@ class Result:
     seqlen: int
     median_ms: Optional[float] = None
     rewrites: int = 0
+    reference_fallbacks: int = 0  # op calls that ran the slow reference on the GPU (should be 0)
     max_abs_diff: Optional[float] = None
     error: Optional[str] = None
 
@@ -137,6 +138,9 @@ def run_variant(variant: Variant, workload: Workload, shape: dict, dtype, device
             del logits
             times = time_calls(lambda: workload(forward), [()], device, warmup=args.warmup, reps=args.reps)
         result.median_ms = statistics.median(times)
+        result.reference_fallbacks = sum(
+            n for key, n in counters["fa2_inductor"].items() if key.startswith("reference_fallback:")
+        )
     except Exception as exc:  # one failing variant (e.g. out of memory) must not lose the others
         lines = [line for line in str(exc).splitlines() if line.strip()]
         result.error = f"{type(exc).__name__}: {' | '.join(lines[:2])}"[:300]
@@ -150,13 +154,15 @@ def format_table(results: list[Result]) -> str:
         base = next((r.median_ms for r in rows if r.variant == BASELINE and r.median_ms), None)
         title = f"{seqlen} tokens" if phase == "prefill" else f"1 token after {seqlen}"
         lines.append(f"\n{phase}: {title}")
-        lines.append(f"{'variant':<28}{'ms':>10}{'vs ' + BASELINE:>22}{'rewrites':>10}{'max|Δlogits|':>14}")
+        lines.append(f"{'variant':<28}{'ms':>10}{'vs ' + BASELINE:>22}{'rewrites':>10}{'max|Δlogits|':>14}{'fallbacks':>11}")
         for r in rows:
             if r.error:
                 lines.append(f"{r.variant:<28}{'failed: ' + r.error}")
                 continue
             ratio = f"{base / r.median_ms:.2f}x" if base else "-"
-            lines.append(f"{r.variant:<28}{r.median_ms:>10.2f}{ratio:>22}{r.rewrites:>10}{r.max_abs_diff:>14.3g}")
+            lines.append(
+                f"{r.variant:<28}{r.median_ms:>10.2f}{ratio:>22}{r.rewrites:>10}{r.max_abs_diff:>14.3g}{r.reference_fallbacks:>11}"
+            )
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ reference otherwise, so every device gets a correct answer.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -80,10 +81,22 @@ def flash_attention_fwd(
     return _reference_fwd(q, k, v, attn_mask, scale, is_causal)
 
 
+def _note_reference_fallback(reason: str) -> None:
+    """A CUDA call the kernel cannot run is correct but slow: count it and say so once per reason."""
+    from torch._dynamo.utils import counters
+
+    key = f"reference_fallback:{reason}"
+    if counters["fa2_inductor"][key] == 0:
+        warnings.warn(f"fa2_inductor: CUDA call runs the (slow) reference implementation: {reason}", stacklevel=3)
+    counters["fa2_inductor"][key] += 1
+
+
 @flash_attention_fwd.register_kernel("cuda")
 def _flash_attention_fwd_cuda(q, k, v, attn_mask, scale, is_causal):
     check_inputs(q, k, v, attn_mask, is_causal)
-    if _cuda.kernel_unsupported_reason(q, k, v, attn_mask, is_causal) is not None:
+    reason = _cuda.kernel_unsupported_reason(q, k, v, attn_mask, is_causal)
+    if reason is not None:
+        _note_reference_fallback(reason)
         return _reference_fwd(q, k, v, attn_mask, scale, is_causal)
     out, lse = reference.empty_outputs(q, v)
     _cuda.forward(q, k, v, scale, is_causal, out, lse, attn_mask=attn_mask)

@@ -147,8 +147,15 @@ def test_unsupported_reasons():
     assert _cuda.kernel_unsupported_reason(q.float(), k.float(), v.float(), None, False) is not None
     q96, k96, v96 = make_qkv(1, 2, 2, 16, 16, 96, torch.bfloat16)
     assert _cuda.kernel_unsupported_reason(q96, k96, v96, None, False) is not None
-    # Unsupported calls still give the right answer through the op (reference path).
-    out, _ = torch.ops.fa2_inductor.flash_attention_fwd(q96, k96, v96, None, 0.1, False)
+    # Unsupported calls still give the right answer through the op (reference path), counted and
+    # announced once, since that path is slow.
+    from torch._dynamo.utils import counters
+
+    counters["fa2_inductor"].clear()
+    with pytest.warns(UserWarning, match="reference implementation: no kernel compiled for head dim 96"):
+        out, _ = torch.ops.fa2_inductor.flash_attention_fwd(q96, k96, v96, None, 0.1, False)
+    torch.ops.fa2_inductor.flash_attention_fwd(q96, k96, v96, None, 0.1, False)
+    assert counters["fa2_inductor"]["reference_fallback:no kernel compiled for head dim 96 bf16"] == 2
     ref, _ = attention_reference(q96.double(), k96.double(), v96.double(), scale=0.1)
     assert (out.double() - ref).abs().max().item() < 2e-2
 
