@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -73,6 +73,7 @@ class Result:
     median_ms: Optional[float] = None
     rewrites: int = 0
     reference_fallbacks: int = 0  # op calls that ran the slow reference on the GPU (should be 0)
+    counters: dict = field(default_factory=dict)  # every fa2_inductor counter (rewrite forms, refusals)
     max_abs_diff: Optional[float] = None
     error: Optional[str] = None
 
@@ -138,9 +139,8 @@ def run_variant(variant: Variant, workload: Workload, shape: dict, dtype, device
             del logits
             times = time_calls(lambda: workload(forward), [()], device, warmup=args.warmup, reps=args.reps)
         result.median_ms = statistics.median(times)
-        result.reference_fallbacks = sum(
-            n for key, n in counters["fa2_inductor"].items() if key.startswith("reference_fallback:")
-        )
+        result.counters = dict(counters["fa2_inductor"])
+        result.reference_fallbacks = sum(n for key, n in result.counters.items() if key.startswith("reference_fallback:"))
     except Exception as exc:  # one failing variant (e.g. out of memory) must not lose the others
         lines = [line for line in str(exc).splitlines() if line.strip()]
         result.error = f"{type(exc).__name__}: {' | '.join(lines[:2])}"[:300]
@@ -197,7 +197,8 @@ def main(argv=None) -> list[Result]:
             for variant in variants:
                 results.append(run_variant(variant, workload, shape, dtype, device, args))
                 r = results[-1]
-                print(f"{phase:<8}{seqlen:>6} {variant.name:<28} {r.error or f'{r.median_ms:.3f} ms'}", flush=True)
+                status = r.error or f"{r.median_ms:.3f} ms {r.counters or ''}"
+                print(f"{phase:<8}{seqlen:>6} {variant.name:<28} {status}", flush=True)
             del workload
     print(format_table(results))
     document = {

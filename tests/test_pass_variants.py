@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -196,6 +197,7 @@ def test_causal_masks_become_is_causal(op_nodes, name, seq_k):
     compile_and_compare(CAUSAL[name], *qkv(seq_q=8, seq_k=seq_k), rewrites=1)
     _, _, _, attn_mask, _, is_causal = op_nodes[0].args
     assert attn_mask is None and is_causal is True
+    assert counters["fa2_inductor"]["rewrites:is_causal"] == 1
 
 
 def test_long_causal_mask_is_proven_too(op_nodes):

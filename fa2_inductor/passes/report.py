@@ -43,6 +43,9 @@ def collecting() -> Iterator[list[SiteRecord]]:
 def record(site: AttentionSite, graph_kind: str) -> None:
     if site.refusal is None:
         counters[COUNTER_GROUP]["rewrites"] += 1
+        # Which kernel the site will run: the masked one costs a pre-pass and reads the mask.
+        form = "is_causal" if site.is_causal else ("mask" if site.mask is not None else "no_mask")
+        counters[COUNTER_GROUP]["rewrites:" + form] += 1
     else:
         counters[COUNTER_GROUP]["refused:" + site.refusal] += 1
     for records in _collectors:
