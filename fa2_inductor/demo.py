@@ -8,6 +8,8 @@ pass is told to rewrite CPU graphs too (``config.rewrite_on_cpu``), so the whole
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 from . import config, explain
@@ -35,16 +37,16 @@ def build_llama(device: str, dtype: torch.dtype):
     return model.to(device).eval(), llama_config
 
 
-def median_ms(fn, reps: int = 20) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def median_times_ms(*fns) -> list[float]:
+    """GPU time of each call, median over two alternating rounds of 15 after warm-up (the GPU clocks down
+    while a model compiles, so no call may be timed first only)."""
+    from .bench.timing import time_cuda
+
+    samples = [[] for _ in fns]
+    for _ in range(2):
+        for times, fn in zip(samples, fns):
+            times += time_cuda(fn, warmup=5, reps=15)
+    return [statistics.median(times) for times in samples]
 
 
 def main() -> None:
@@ -71,8 +73,7 @@ def main() -> None:
         inductor = torch.compile(model)
         with torch.no_grad():
             inductor(input_ids)
-            ours = median_ms(lambda: compiled(input_ids))
-            theirs = median_ms(lambda: inductor(input_ids))
+            ours, theirs = median_times_ms(lambda: compiled(input_ids), lambda: inductor(input_ids))
         print(f"forward, {seq_len} tokens: fa2_inductor {ours:.2f} ms, plain Inductor {theirs:.2f} ms ({theirs / ours:.2f}x)")
 
 
