@@ -25,7 +25,8 @@ if importlib.util.find_spec("fa2_inductor.backend") is None:
     pytest.skip("fa2_inductor.backend (the compile backend) is not written yet", allow_module_level=True)
 
 import fa2_inductor  # noqa: E402
-from tests.hf_families import FAMILIES, Family, model_output  # noqa: E402
+from fa2_inductor.passes import support  # noqa: E402
+from tests.hf_families import FAMILIES, VOCAB, Family, model_output  # noqa: E402
 
 FLASH_FWD = torch.ops.fa2_inductor.flash_attention_fwd.default
 IMPLS = ("eager", "sdpa")
@@ -170,3 +171,26 @@ def test_generate_with_static_cache_matches_eager_greedy(compile_on_cpu):
     # Prefill sites at least; decode sites are rewritten only where the op is as fast as Inductor.
     assert counters["fa2_inductor"]["rewrites"] >= family.count_attention_sites(model.config)
     torch.testing.assert_close(got, expected)
+
+
+def test_generate_under_the_cuda_rules_leaves_decode_steps_to_inductor(compile_on_cpu, monkeypatch):
+    """What a Hopper GPU decides (CPU sites judged by the CUDA rules, a kernel that takes every call):
+    the prefill's sites take the op, every decode step (Sq = 1) stays Inductor's, and the tokens are eager's."""
+    monkeypatch.setattr(support, "_kernel_reason", lambda q, k, v, mask, is_causal: None)
+    monkeypatch.setitem(support._DEVICE_RULES, "cpu", support._cuda_refusal)
+    family = FAMILIES["llama"]
+    model = family.build("sdpa")
+    prompt_len = 2 * support.DECODE_MAX_QUERY_ROWS  # a prefill long enough for the op
+    prompt = {"input_ids": torch.randint(3, VOCAB, (1, prompt_len), generator=torch.Generator().manual_seed(1))}
+    settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "cache_implementation": "static"}
+    with torch.no_grad():
+        expected = family.build("sdpa").generate(**prompt, **settings)
+        model.forward = torch.compile(model.forward, backend="fa2_inductor")
+        got = model.generate(**prompt, **settings)
+    sites = family.count_attention_sites(model.config)
+    counts = dict(counters["fa2_inductor"])
+    assert counts.get("rewrites") == sites, counts  # the prefill graph
+    refusals = {key for key in counts if key.startswith("refused:")}
+    assert counts.get("refused:decode_step", 0) >= sites and refusals == {"refused:decode_step"}, counts
+    torch.testing.assert_close(got, expected)
+

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import fa2_inductor
+from fa2_inductor.passes import report, support
 from tests.pass_checks import compile_and_compare, pass_counts, qkv
 
 D = 16
@@ -124,3 +125,54 @@ def test_inductor_fuse_attention_bug_guarded(cpu_pass):
     with fa2_inductor.enabled():
         got = torch.compile(_softmax_over_queries)(q, k, v)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+# --- decode steps: the CUDA rule, proven on CPU ----------------------------------------------------
+@pytest.fixture
+def cuda_rules(cpu_pass, monkeypatch):
+    """CPU sites judged by the CUDA rules, with a kernel that takes every call (what a Hopper GPU decides)."""
+    monkeypatch.setattr(support, "_kernel_reason", lambda q, k, v, mask, is_causal: None)
+    monkeypatch.setitem(support._DEVICE_RULES, "cpu", support._cuda_refusal)
+
+
+def _decode_sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def _decode_hand_written(q, k, v):
+    return _scores(q, k).softmax(-1) @ v
+
+
+SEQ_K = 64
+DECODE_CASES = [(1, "refused"), (support.DECODE_MAX_QUERY_ROWS, "refused"), (support.DECODE_MAX_QUERY_ROWS + 1, "rewritten")]
+
+
+@pytest.mark.parametrize("seq_q, verdict", DECODE_CASES, ids=[f"sq{s}" for s, _ in DECODE_CASES])
+@pytest.mark.parametrize("fn", [_decode_sdpa, _decode_hand_written], ids=["sdpa", "hand_written"])
+def test_decode_steps_stay_with_inductor_on_cuda(cuda_rules, fn, seq_q, verdict):
+    q, k, v = qkv(seq_q=seq_q, seq_k=SEQ_K)
+    compile_and_compare(fn, q, k, v, rewrites=int(verdict == "rewritten"))
+    counts = pass_counts()
+    assert counts.get("refused:decode_step", 0) == int(verdict == "refused"), counts
+
+
+@pytest.mark.parametrize("seq_q, verdict", [(8, "refused"), (32, "rewritten")])
+def test_decode_rule_reads_the_size_hint_of_a_symbolic_sq(cuda_rules, seq_q, verdict):
+    q, k, v = qkv(seq_q=seq_q, seq_k=SEQ_K)
+    with report.collecting() as records:
+        compile_and_compare(_decode_sdpa, q, k, v, rewrites=int(verdict == "rewritten"), dynamic=True)
+    (record,) = records
+    if verdict == "refused":
+        assert (record.reason, record.detail.split(" ")[0]) == ("decode_step", f"Sq={seq_q}")
+    else:
+        assert record.rewritten, record
+
+
+def test_decode_refusal_is_explained(cuda_rules):
+    text = str(fa2_inductor.explain(_decode_sdpa, *qkv(seq_q=1, seq_k=SEQ_K)))
+    assert "refused: decode_step (Sq=1 query rows: the kernel's 128-row tile and no split-KV" in text, text
+
+
+def test_decode_steps_still_rewritten_on_cpu(cpu_pass):
+    """The rule is about the Hopper kernel's speed: CPU graphs (config.rewrite_on_cpu) keep exercising the op."""
+    compile_and_compare(_decode_sdpa, *qkv(seq_q=1, seq_k=SEQ_K), rewrites=1)

@@ -13,6 +13,8 @@ from .rewrite import mask_value_in_op_layout, value_in_op_layout
 from .site import AttentionSite
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Decode steps stay with Inductor on CUDA: 128 query rows per CTA and no split-KV idle >= 87% of each tile at Sq <= 16.
+DECODE_MAX_QUERY_ROWS = 16
 
 
 def _hint(size) -> int:
@@ -38,6 +40,31 @@ def _kernel_reason(q, k, v, mask, is_causal) -> Optional[str]:
     return _cuda.kernel_unsupported_reason(q, k, v, mask, is_causal)
 
 
+def _cpu_refusal(q, k, v, mask, is_causal) -> Optional[tuple[str, str]]:
+    """CPU graphs run the op's reference: only where the user asked for it (tests, demos)."""
+    return None if config.rewrite_on_cpu else ("cpu_device", "set fa2_inductor.config.rewrite_on_cpu")
+
+
+def _cuda_refusal(q, k, v, mask, is_causal) -> Optional[tuple[str, str]]:
+    """CUDA graphs: the kernel must run the call, and be at least as fast as Inductor there.
+
+    A symbolic Sq is judged by its example value, so a graph traced at prefill length and later run with
+    a few query rows keeps the op (correct, only not the fastest); Dynamo gives Sq = 1 a graph of its own.
+    """
+    reason = _kernel_reason(q, k, v, mask, is_causal)
+    if reason is not None:
+        return "kernel_unsupported", reason
+    seq_q = _hint(q.shape[-2])
+    if seq_q <= DECODE_MAX_QUERY_ROWS:
+        return "decode_step", (f"Sq={seq_q} query rows: the kernel's 128-row tile and no split-KV make it "
+                               "slower than Inductor here")
+    return None
+
+
+# The rules each device type adds to the op's own input checks (a table, so tests can swap one in).
+_DEVICE_RULES = {"cpu": _cpu_refusal, "cuda": _cuda_refusal}
+
+
 def refusal_reason(site: AttentionSite) -> Optional[tuple[str, str]]:
     """(reason, detail) when the site must stay as it is; None when the op takes it."""
     q, k, v = (value_in_op_layout(tensor_val(n), site.layouts[name]) for name, n in zip("qkv", (site.q, site.k, site.v)))
@@ -55,9 +82,7 @@ def refusal_reason(site: AttentionSite) -> Optional[tuple[str, str]]:
         return "output_dtype", f"{out.dtype} output from {q.dtype} inputs"
     if not same_shape(out.shape, [*q.shape[:-1], v.shape[-1]]):  # e.g. a mask that broadcast the scores to a larger shape
         return "output_shape", f"{tuple(out.shape)}"
-    if q.device.type == "cpu":
-        return None if config.rewrite_on_cpu else ("cpu_device", "set fa2_inductor.config.rewrite_on_cpu")
-    if q.device.type != "cuda":
+    rules = _DEVICE_RULES.get(q.device.type)
+    if rules is None:
         return "device", q.device.type
-    reason = _kernel_reason(q, k, v, mask, site.is_causal)
-    return None if reason is None else ("kernel_unsupported", reason)
+    return rules(q, k, v, mask, site.is_causal)
