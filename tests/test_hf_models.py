@@ -194,3 +194,27 @@ def test_generate_under_the_cuda_rules_leaves_decode_steps_to_inductor(compile_o
     assert counts.get("refused:decode_step", 0) >= sites and refusals == {"refused:decode_step"}, counts
     torch.testing.assert_close(got, expected)
 
+
+def _code_lines(code: list[str]) -> list[str]:
+    """Inductor's generated code without comments (they name the traced source nodes, which differ)."""
+    return [line for text in code for line in text.splitlines() if not line.lstrip().startswith("#")]
+
+
+def test_eager_and_sdpa_attention_compile_to_the_same_code(compile_on_cpu):
+    """bench_e2e's prefill (batch 1, no padding, bf16): once the pass has run, HF's eager attention leaves
+    nothing behind that sdpa does not (no finfo.min mask, float32 softmax, repeat_kv copy or extra transpose)."""
+    from torch._inductor.utils import run_and_get_code
+
+    family = FAMILIES["llama"]
+    input_ids = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(1))
+    code = {}
+    for impl in IMPLS:
+        torch._dynamo.reset()
+        model = family.build(impl, dtype=torch.bfloat16)
+        with torch.no_grad():
+            _, code[impl] = run_and_get_code(torch.compile(model, backend="fa2_inductor"), input_ids=input_ids)
+    sites = 2 * family.count_attention_sites(model.config)
+    assert counters["fa2_inductor"]["rewrites"] == counters["fa2_inductor"]["rewrites:is_causal"] == sites
+    calls = compile_on_cpu.calls
+    assert all(not c.has_mask and c.is_causal for c in calls), calls
+    assert _code_lines(code["eager"]) == _code_lines(code["sdpa"])
