@@ -38,10 +38,11 @@ def build_llama(device: str, dtype: torch.dtype):
 
 
 def median_times_ms(*fns) -> list[float]:
-    """GPU time of each call, median over two alternating rounds of 15 after warm-up (the GPU clocks down
-    while a model compiles, so no call may be timed first only)."""
-    from .bench.timing import time_cuda
+    """GPU time of each call, median over two alternating rounds of 15, after half a second of calls (the
+    GPU clocks down while a model compiles)."""
+    from .bench.timing import keep_busy, time_cuda
 
+    keep_busy(fns[0], torch.device("cuda"))
     samples = [[] for _ in fns]
     for _ in range(2):
         for times, fn in zip(samples, fns):

@@ -55,6 +55,17 @@ def time_cpu(fn: Callable, arg_sets: ArgSets = ((),), *, warmup: int = 5, reps: 
     return times
 
 
+def keep_busy(fn: Callable, device: torch.device, min_ms: float = 500.0) -> None:
+    """Calls ``fn`` (waiting for each call) until ``min_ms`` have passed. The GPU clocks down while a model
+    compiles on the CPU, and a few warm-up calls of a few ms each do not bring the clocks back up."""
+    if device.type != "cuda":
+        return
+    start = time.perf_counter()
+    while (time.perf_counter() - start) * 1e3 < min_ms:
+        fn()
+        torch.cuda.synchronize(device)
+
+
 def time_calls(fn: Callable, arg_sets: ArgSets, device: torch.device, *, warmup: int, reps: int) -> list[float]:
     timer = time_cuda if device.type == "cuda" else time_cpu
     return timer(fn, arg_sets, warmup=warmup, reps=reps)
