@@ -51,9 +51,9 @@ if has kernel-tests; then
   grep -q "masked kernels DISABLED" /tmp/kernel_out/summary.txt && export FA2_INDUCTOR_DISABLE_MASK_KERNEL=1
 fi
 
-stage cpu-suite 300 "$OUT/cpu_tests.log" python3 -m pytest -q -n 16 -p no:cacheprovider tests --ignore=tests/gpu
+stage cpu-suite 240 "$OUT/cpu_tests.log" python3 -m pytest -q -n 16 -p no:cacheprovider tests --ignore=tests/gpu
 stage e2e 400 "$OUT/e2e.log" python3 -m fa2_inductor.bench_e2e $E2E_ARGS --json "$OUT/e2e.json"
-stage hf-gpu 100 "$OUT/gpu_hf_tests.log" python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_hf_gpu.py
+stage hf-gpu 160 "$OUT/gpu_hf_tests.log" python3 -m pytest -q -rfE -n 4 -p no:cacheprovider tests/gpu/test_hf_gpu.py
 stage mask-bench 90 /tmp/mask_bench.log python3 -m fa2_inductor.bench --masks --json /tmp/mask_bench.json
 has mask-bench && cat /tmp/mask_bench.log >> "$SUMMARY"
 stage demo 90 /tmp/demo.log python3 -m fa2_inductor.demo
