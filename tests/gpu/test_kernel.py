@@ -22,28 +22,7 @@ from fa2_inductor.reference import attention_reference  # noqa: E402
 if _extension.C is None:
     pytest.skip(f"fa2_inductor._C not loaded: {_extension.status}", allow_module_level=True)
 
-COMPILED = {(int(d), str(n)) for d, n in _extension.C.compiled_kernels()}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-HEAD_DIMS = (64, 128, 256)
-DEV = "cuda"
-
-
-def _needs(d: int, dt: str) -> None:
-    if (d, dt) not in COMPILED:
-        pytest.skip(f"hdim{d} {dt} not compiled")
-
-
-def make_qkv(b, hq, hkv, sq, sk, d, dtype, layout="bhsd", requires_grad=False, seed=0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-
-    def one(h, s):
-        if layout == "bshd":  # [B,S,H,D] buffer seen as [B,H,S,D]: non-contiguous strides
-            t = torch.randn(b, s, h, d, device=DEV, dtype=dtype, generator=g).transpose(1, 2)
-        else:
-            t = torch.randn(b, h, s, d, device=DEV, dtype=dtype, generator=g)
-        return t.detach().requires_grad_(requires_grad)
-
-    return one(hq, sq), one(hkv, sk), one(hkv, sk)
+from tests.gpu.kernel_inputs import COMPILED, DEV, DTYPES, HEAD_DIMS, make_qkv, needs_kernel  # noqa: E402
 
 
 def torch_attention(q, k, v, scale, is_causal):
@@ -106,7 +85,7 @@ SHAPES = [
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_forward_numerics(d, dt, is_causal, shape):
-    _needs(d, dt)
+    needs_kernel(d, dt)
     b, hq, hkv, sq, sk = shape
     q, k, v = make_qkv(b, hq, hkv, sq, sk, d, DTYPES[dt], seed=sq * 7 + sk)
     check_forward(q, k, v, is_causal)
@@ -117,7 +96,7 @@ def test_forward_numerics(d, dt, is_causal, shape):
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_forward_gqa_strided(d, dt, is_causal, hkv):
-    _needs(d, dt)
+    needs_kernel(d, dt)
     q, k, v = make_qkv(2, 8, hkv, 300, 333, d, DTYPES[dt], layout="bshd", seed=hkv)
     assert not q.is_contiguous()
     check_forward(q, k, v, is_causal)
@@ -125,7 +104,7 @@ def test_forward_gqa_strided(d, dt, is_causal, hkv):
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_forward_custom_scale_and_large_values(d):
-    _needs(d, "bf16")
+    needs_kernel(d, "bf16")
     q, k, v = make_qkv(1, 2, 2, 257, 513, d, torch.bfloat16, seed=3)
     check_forward(q * 4, k * 4, v, False, scale=0.3)
 
@@ -191,7 +170,7 @@ def _grads(fn, q, k, v, g):
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_gradients(d, dt, is_causal, shape):
-    _needs(d, dt)
+    needs_kernel(d, dt)
     b, hq, hkv, sq, sk = shape
     dtype = DTYPES[dt]
     q, k, v = make_qkv(b, hq, hkv, sq, sk, d, dtype, layout="bshd", seed=d + sq)

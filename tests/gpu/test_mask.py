@@ -29,23 +29,7 @@ if not hasattr(_extension.C, "fwd_masked"):
 if os.environ.get("FA2_INDUCTOR_DISABLE_MASK_KERNEL", "0") == "1":
     pytest.skip("masked kernels disabled (FA2_INDUCTOR_DISABLE_MASK_KERNEL=1)", allow_module_level=True)
 
-COMPILED = {(int(d), str(n)) for d, n in _extension.C.compiled_kernels()}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-HEAD_DIMS = (64, 128, 256)
-DEV = "cuda"
-
-
-def _needs(d: int, dt: str) -> None:
-    if (d, dt) not in COMPILED:
-        pytest.skip(f"hdim{d} {dt} not compiled")
-
-
-def make_qkv(b, hq, hkv, sq, sk, d, dtype, seed=0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    q = torch.randn(b, hq, sq, d, device=DEV, dtype=dtype, generator=g)
-    k = torch.randn(b, hkv, sk, d, device=DEV, dtype=dtype, generator=g)
-    v = torch.randn(b, hkv, sk, d, device=DEV, dtype=dtype, generator=g)
-    return q, k, v
+from tests.gpu.kernel_inputs import COMPILED, DEV, DTYPES, HEAD_DIMS, make_qkv, needs_kernel  # noqa: E402
 
 
 def torch_attention(q, k, v, mask, scale):
@@ -202,7 +186,7 @@ MASK_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_bool_mask(d, dt, kind, shape):
-    _needs(d, dt)
+    needs_kernel(d, dt)
     b, hq, hkv, sq, sk = shape
     g = torch.Generator(device=DEV).manual_seed(sq * 3 + sk)
     q, k, v = make_qkv(b, hq, hkv, sq, sk, d, DTYPES[dt], seed=sq + sk)
@@ -215,7 +199,7 @@ def test_bool_mask(d, dt, kind, shape):
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_additive_mask(d, dt, kind, mdt, shape):
-    _needs(d, dt)
+    needs_kernel(d, dt)
     b, hq, hkv, sq, sk = shape
     g = torch.Generator(device=DEV).manual_seed(sq * 5 + sk)
     q, k, v = make_qkv(b, hq, hkv, sq, sk, d, DTYPES[dt], seed=sq + 2 * sk)
@@ -241,7 +225,7 @@ BROADCASTS = {
 @pytest.mark.parametrize("additive", [False, True], ids=["bool", "add"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_mask_broadcast_forms(d, additive, form, sk):
-    _needs(d, "bf16")
+    needs_kernel(d, "bf16")
     b, hq, hkv, sq = 2, 4, 2, 300
     g = torch.Generator(device=DEV).manual_seed(11)
     full = torch.rand(b, hq, sq, sk, device=DEV, generator=g) < 0.6
@@ -257,7 +241,7 @@ def test_mask_broadcast_forms(d, additive, form, sk):
 
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_mask_custom_and_negative_scale(d):
-    _needs(d, "fp16")
+    needs_kernel(d, "fp16")
     q, k, v = make_qkv(2, 2, 2, 257, 300, d, torch.float16, seed=9)
     g = torch.Generator(device=DEV).manual_seed(2)
     check_masked(q, k, v, sliding_bool(2, 2, 257, 300, g, window=100), scale=0.3)

@@ -1,0 +1,37 @@
+"""Inputs and skips shared by the Hopper kernel tests (test_kernel.py, test_mask.py).
+
+Import it after the module-level skips: it reads the compiled kernel list from fa2_inductor._C.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fa2_inductor import _extension
+
+COMPILED = {(int(d), str(n)) for d, n in _extension.C.compiled_kernels()}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+HEAD_DIMS = (64, 128, 256)
+DEV = "cuda"
+
+
+def needs_kernel(d: int, dt: str) -> None:
+    """Skips the test when the build did not compile this head dim and dtype."""
+    if (d, dt) not in COMPILED:
+        pytest.skip(f"hdim{d} {dt} not compiled")
+
+
+def make_qkv(b, hq, hkv, sq, sk, d, dtype, layout="bhsd", requires_grad=False, seed=0):
+    """Random q [b, hq, sq, d] and k, v [b, hkv, sk, d]; layout "bshd" views a [B, S, H, D] buffer
+    (non-contiguous strides, as models produce them)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+
+    def one(h, s):
+        if layout == "bshd":
+            t = torch.randn(b, s, h, d, device=DEV, dtype=dtype, generator=g).transpose(1, 2)
+        else:
+            t = torch.randn(b, h, s, d, device=DEV, dtype=dtype, generator=g)
+        return t.detach().requires_grad_(requires_grad)
+
+    return one(hq, sq), one(hkv, sk), one(hkv, sk)
