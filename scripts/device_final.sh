@@ -53,8 +53,8 @@ fi
 
 # One compile thread per test worker: 16 workers each forking Inductor's compile pool oversubscribe
 # the 16 cores (run 11: 96 % after 240 s; 295 s for the whole suite on a 2-core CPU machine).
-stage cpu-suite 240 "$OUT/cpu_tests.log" env TORCHINDUCTOR_COMPILE_THREADS=1 \
-  python3 -m pytest -q -rfE -n 12 -p no:cacheprovider tests --ignore=tests/gpu
+stage cpu-suite 360 "$OUT/cpu_tests.log" env TORCHINDUCTOR_COMPILE_THREADS=1 \
+  python3 -m pytest -q -rfE -n 12 --durations=25 -p no:cacheprovider tests --ignore=tests/gpu
 stage e2e 400 "$OUT/e2e.log" python3 -m fa2_inductor.bench_e2e $E2E_ARGS --json "$OUT/e2e.json"
 stage hf-gpu 160 "$OUT/gpu_hf_tests.log" python3 -m pytest -q -rfE -n 4 -p no:cacheprovider tests/gpu/test_hf_gpu.py
 stage mask-bench 90 /tmp/mask_bench.log python3 -m fa2_inductor.bench --masks --json /tmp/mask_bench.json
