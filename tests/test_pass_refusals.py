@@ -176,3 +176,45 @@ def test_decode_refusal_is_explained(cuda_rules):
 def test_decode_steps_still_rewritten_on_cpu(cpu_pass):
     """The rule is about the Hopper kernel's speed: CPU graphs (config.rewrite_on_cpu) keep exercising the op."""
     compile_and_compare(_decode_sdpa, *qkv(seq_q=1, seq_k=SEQ_K), rewrites=1)
+
+
+# --- training graphs on CUDA: the op's backward must be the fast one too -----------------------------
+@pytest.fixture
+def cuda_training_rules(cpu_pass, monkeypatch):
+    """CPU sites judged as on a Hopper GPU: the forward kernel takes every call, and the backward goes to
+    PyTorch's flash backward except with a mask (the rule of ``_cuda.backward_unsupported_reason``)."""
+    monkeypatch.setattr(support, "_kernel_reason", lambda q, k, v, mask, is_causal: None)
+    monkeypatch.setitem(support._DEVICE_RULES, "cpu", support._cuda_refusal)
+    monkeypatch.setattr(support._cuda, "backward_unsupported_reason",
+                        lambda q, k, v, mask, is_causal: "attn_mask" if mask is not None else None)
+    monkeypatch.setitem(support._BACKWARD_RULES, "cpu", support._cuda_backward_refusal)
+
+
+def _padded_sdpa(q, k, v):
+    visible = torch.ones(q.shape[0], 1, 1, k.shape[-2], dtype=torch.bool)
+    visible[0, ..., -3:] = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+
+
+def _causal_sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_masked_training_stays_with_inductor_on_cuda(cuda_training_rules):
+    """The masked backward would run the op's reference: slower than Inductor's own, so the site stays."""
+    compile_and_compare(_padded_sdpa, *qkv(seq_q=32, train=True), rewrites=0, train=True)
+    assert pass_counts() == {"refused:backward_unsupported": 1}
+
+
+def test_training_with_a_fast_backward_is_rewritten_on_cuda(cuda_training_rules):
+    compile_and_compare(_causal_sdpa, *qkv(seq_q=32, train=True), rewrites=1, train=True)
+
+
+def test_masked_inference_is_rewritten_on_cuda(cuda_training_rules):
+    """The backward rule is for training graphs only: the forward kernel takes the mask."""
+    compile_and_compare(_padded_sdpa, *qkv(seq_q=32), rewrites=1)
+
+
+def test_masks_have_no_fast_backward_on_cuda():
+    q, k, v = qkv()
+    assert fa2_inductor._cuda.backward_unsupported_reason(q, k, v, torch.ones(8, 8, dtype=torch.bool), False) == "attn_mask"

@@ -22,7 +22,7 @@ from .causal_mask import mask_pattern
 from .rewrite import BackwardRegion, backward_region, forward_region, rewrite_site
 from .site import BSHD, AttentionSite
 from .softmax_dim_guard import move_softmax_to_last_dim
-from .support import refusal_reason
+from .support import backward_refusal_reason, refusal_reason
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,6 +78,10 @@ def _decide(site: AttentionSite) -> Optional[BackwardRegion]:
         backward = "training_shared_input"
     if isinstance(backward, str):
         site.refuse(backward)
+        return None
+    refused = backward_refusal_reason(site) if backward is not None else None
+    if refused:
+        site.refuse(*refused)
         return None
     return backward
 

@@ -65,10 +65,33 @@ def _cuda_refusal(q, k, v, mask, is_causal) -> Optional[tuple[str, str]]:
 _DEVICE_RULES = {"cpu": _cpu_refusal, "cuda": _cuda_refusal}
 
 
+def _cuda_backward_refusal(q, k, v, mask, is_causal) -> Optional[tuple[str, str]]:
+    """Training graphs on CUDA: the op's backward must run PyTorch's flash backward too; its other path,
+    the reference, would make the training step slower than Inductor's own attention backward."""
+    reason = _cuda.backward_unsupported_reason(q, k, v, mask, is_causal)
+    return None if reason is None else ("backward_unsupported", reason)
+
+
+# The rules each device type adds for training graphs (CPU: the reference both ways, by request).
+_BACKWARD_RULES = {"cuda": _cuda_backward_refusal}
+
+
+def _op_inputs(site: AttentionSite):
+    """q, k, v and the mask as the op would receive them (fake tensors)."""
+    q, k, v = (value_in_op_layout(tensor_val(n), site.layouts[name]) for name, n in zip("qkv", (site.q, site.k, site.v)))
+    return q, k, v, mask_value_in_op_layout(site)
+
+
+def backward_refusal_reason(site: AttentionSite) -> Optional[tuple[str, str]]:
+    """(reason, detail) when a site of a training graph must stay because the op's backward is slow there."""
+    q, k, v, mask = _op_inputs(site)
+    rules = _BACKWARD_RULES.get(q.device.type)
+    return None if rules is None else rules(q, k, v, mask, site.is_causal)
+
+
 def refusal_reason(site: AttentionSite) -> Optional[tuple[str, str]]:
     """(reason, detail) when the site must stay as it is; None when the op takes it."""
-    q, k, v = (value_in_op_layout(tensor_val(n), site.layouts[name]) for name, n in zip("qkv", (site.q, site.k, site.v)))
-    mask = mask_value_in_op_layout(site)
+    q, k, v, mask = _op_inputs(site)
     if q.dtype not in _KERNEL_DTYPES:
         return "dtype", str(q.dtype)
     if mask is not None and mask.dtype != torch.bool and not mask.dtype.is_floating_point:
