@@ -6,6 +6,7 @@
 #
 #   BUDGET_S=540 bash scripts/device_final.sh      (carry .whl: the nvidia-cutlass wheel)
 #   STAGES=build,e2e,demo E2E_ARGS="--phases prefill" bash scripts/device_final.sh   (a subset)
+#   STAGES=build,e2e E2E_ARGS="--phases decode --variants 'sdpa + Inductor' 'fa2_inductor (sdpa attn)'" ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fa2_final_out}
@@ -57,7 +58,8 @@ fi
 # all stopped near 96-98 %, as if a few tests hang on the device).
 stage cpu-suite 360 "$OUT/cpu_tests.log" env TORCHINDUCTOR_COMPILE_THREADS=1 \
   python3 -m pytest -v -rfE -n 12 --durations=25 --timeout=150 -p no:cacheprovider tests --ignore=tests/gpu
-stage e2e 400 "$OUT/e2e.log" python3 -m fa2_inductor.bench_e2e $E2E_ARGS --json "$OUT/e2e.json"
+# bash -c: E2E_ARGS may quote variant names with spaces ("sdpa + Inductor").
+stage e2e 400 "$OUT/e2e.log" bash -c "python3 -m fa2_inductor.bench_e2e $E2E_ARGS --json $OUT/e2e.json"
 stage hf-gpu 160 "$OUT/gpu_hf_tests.log" python3 -m pytest -q -rfE -n 4 -p no:cacheprovider tests/gpu/test_hf_gpu.py
 stage mask-bench 90 /tmp/mask_bench.log python3 -m fa2_inductor.bench --masks --json /tmp/mask_bench.json
 has mask-bench && cat /tmp/mask_bench.log >> "$SUMMARY"
