@@ -1,4 +1,4 @@
-"""Inputs and skips shared by the Hopper kernel tests (test_kernel.py, test_mask.py).
+"""Inputs, skips and the accuracy rule shared by the Hopper kernel tests (test_kernel.py, test_mask.py).
 
 Import it after the module-level skips: it reads the compiled kernel list from fa2_inductor._C.
 """
@@ -35,3 +35,15 @@ def make_qkv(b, hq, hkv, sq, sk, d, dtype, layout="bhsd", requires_grad=False, s
         return t.detach().requires_grad_(requires_grad)
 
     return one(hq, sq), one(hkv, sk), one(hkv, sk)
+
+
+def assert_twice_torch_error(out, lse, ref, base):
+    """FlashAttention's rule: the kernel's max error against the float64 reference ``ref`` is at most twice
+    that of plain PyTorch attention in the input dtype (``base``); NaN means an unwritten element.
+    Returns (kernel error, PyTorch error)."""
+    assert not out.isnan().any(), "kernel left NaN (unwritten or invalid) output"
+    assert not lse.isnan().any(), "kernel left NaN (unwritten or invalid) lse"
+    err = (out.double() - ref).abs().max().item()
+    base_err = (base.double() - ref).abs().max().item()
+    assert err <= 2 * base_err + 1e-5, f"out error {err:.3e} > 2 x torch {out.dtype} error {base_err:.3e}"
+    return err, base_err

@@ -29,7 +29,9 @@ if not hasattr(_extension.C, "fwd_masked"):
 if os.environ.get("FA2_INDUCTOR_DISABLE_MASK_KERNEL", "0") == "1":
     pytest.skip("masked kernels disabled (FA2_INDUCTOR_DISABLE_MASK_KERNEL=1)", allow_module_level=True)
 
-from tests.gpu.kernel_inputs import COMPILED, DEV, DTYPES, HEAD_DIMS, make_qkv, needs_kernel  # noqa: E402
+from tests.gpu.kernel_inputs import (  # noqa: E402
+    COMPILED, DEV, DTYPES, HEAD_DIMS, assert_twice_torch_error, make_qkv, needs_kernel,
+)
 
 
 def torch_attention(q, k, v, mask, scale):
@@ -64,11 +66,7 @@ def check_masked(q, k, v, mask, scale=None):
     ref_mask = mask if mask.dtype == torch.bool else mask.double()
     ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), attn_mask=ref_mask, scale=scale)
     base = torch_attention(q, k, v, mask, scale)
-    assert not out.isnan().any(), "kernel left NaN (unwritten or invalid) output"
-    assert not lse.isnan().any(), "kernel left NaN (unwritten or invalid) lse"
-    err = (out.double() - ref).abs().max().item()
-    base_err = (base.double() - ref).abs().max().item()
-    assert err <= 2 * base_err + 1e-5, f"out error {err:.3e} > 2 x torch {q.dtype} error {base_err:.3e}"
+    assert_twice_torch_error(out, lse, ref, base)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite), "fully masked rows differ (lse -inf pattern)"
     empty = ~finite
