@@ -27,6 +27,7 @@ if importlib.util.find_spec("fa2_inductor.backend") is None:
 import fa2_inductor  # noqa: E402
 from fa2_inductor.passes import support  # noqa: E402
 from tests.hf_families import FAMILIES, VOCAB, Family, model_output  # noqa: E402
+from tests.pass_checks import OP_IN_CODE  # noqa: E402
 
 FLASH_FWD = torch.ops.fa2_inductor.flash_attention_fwd.default
 IMPLS = ("eager", "sdpa")
@@ -175,24 +176,34 @@ def test_generate_with_static_cache_matches_eager_greedy(compile_on_cpu):
 
 def test_generate_under_the_cuda_rules_leaves_decode_steps_to_inductor(compile_on_cpu, monkeypatch):
     """What a Hopper GPU decides (CPU sites judged by the CUDA rules, a kernel that takes every call):
-    the prefill's sites take the op, every decode step (Sq = 1) stays Inductor's, and the tokens are eager's."""
+    the prefill's sites take the op, and every decode step (Sq = 1) compiles to plain Inductor's code line
+    for line, so it cannot be slower than Inductor there; the tokens are eager's."""
+    from torch._inductor.utils import run_and_get_code
+
     monkeypatch.setattr(support, "_kernel_reason", lambda q, k, v, mask, is_causal: None)
     monkeypatch.setitem(support._DEVICE_RULES, "cpu", support._cuda_refusal)
     family = FAMILIES["llama"]
-    model = family.build("sdpa")
     prompt_len = 2 * support.DECODE_MAX_QUERY_ROWS  # a prefill long enough for the op
     prompt = {"input_ids": torch.randint(3, VOCAB, (1, prompt_len), generator=torch.Generator().manual_seed(1))}
     settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "cache_implementation": "static"}
+    code = {}
     with torch.no_grad():
         expected = family.build("sdpa").generate(**prompt, **settings)
-        model.forward = torch.compile(model.forward, backend="fa2_inductor")
-        got = model.generate(**prompt, **settings)
+        for backend in ("inductor", "fa2_inductor"):  # counters then hold the fa2_inductor run's
+            torch._dynamo.reset()
+            counters.clear()
+            model = family.build("sdpa")
+            model.forward = torch.compile(model.forward, backend=backend)
+            got, code[backend] = run_and_get_code(model.generate, **prompt, **settings)
+            torch.testing.assert_close(got, expected)
     sites = family.count_attention_sites(model.config)
     counts = dict(counters["fa2_inductor"])
     assert counts.get("rewrites") == sites, counts  # the prefill graph
     refusals = {key for key in counts if key.startswith("refused:")}
     assert counts.get("refused:decode_step", 0) >= sites and refusals == {"refused:decode_step"}, counts
-    torch.testing.assert_close(got, expected)
+    (fa2_prefill, *fa2_decode), (inductor_prefill, *inductor_decode) = code["fa2_inductor"], code["inductor"]
+    assert fa2_decode and _code_lines(fa2_decode) == _code_lines(inductor_decode)
+    assert OP_IN_CODE in fa2_prefill and OP_IN_CODE not in inductor_prefill
 
 
 def _code_lines(code: list[str]) -> list[str]:
