@@ -174,7 +174,8 @@ def test_generate_with_static_cache_matches_eager_greedy(compile_on_cpu):
     torch.testing.assert_close(got, expected)
 
 
-def test_generate_under_the_cuda_rules_leaves_decode_steps_to_inductor(compile_on_cpu, monkeypatch):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_generate_under_the_cuda_rules_leaves_decode_steps_to_inductor(compile_on_cpu, monkeypatch, impl):
     """What a Hopper GPU decides (CPU sites judged by the CUDA rules, a kernel that takes every call):
     the prefill's sites take the op, and every decode step (Sq = 1) compiles to plain Inductor's code line
     for line, so it cannot be slower than Inductor there; the tokens are eager's."""
@@ -188,11 +189,11 @@ def test_generate_under_the_cuda_rules_leaves_decode_steps_to_inductor(compile_o
     settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "cache_implementation": "static"}
     code = {}
     with torch.no_grad():
-        expected = family.build("sdpa").generate(**prompt, **settings)
+        expected = family.build(impl).generate(**prompt, **settings)
         for backend in ("inductor", "fa2_inductor"):  # counters then hold the fa2_inductor run's
             torch._dynamo.reset()
             counters.clear()
-            model = family.build("sdpa")
+            model = family.build(impl)
             model.forward = torch.compile(model.forward, backend=backend)
             got, code[backend] = run_and_get_code(model.generate, **prompt, **settings)
             torch.testing.assert_close(got, expected)

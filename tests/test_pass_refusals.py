@@ -149,8 +149,9 @@ DECODE_CASES = [(1, "refused"), (support.DECODE_MAX_QUERY_ROWS, "refused"), (sup
 
 @pytest.mark.parametrize("seq_q, verdict", DECODE_CASES, ids=[f"sq{s}" for s, _ in DECODE_CASES])
 @pytest.mark.parametrize("fn", [_decode_sdpa, _decode_hand_written], ids=["sdpa", "hand_written"])
-def test_decode_steps_stay_with_inductor_on_cuda(cuda_rules, fn, seq_q, verdict):
-    q, k, v = qkv(seq_q=seq_q, seq_k=SEQ_K)
+@pytest.mark.parametrize("batch", [1, 2], ids=["b1", "b2"])  # b1 sq1: the bmm's batch and row dims both have size 1
+def test_decode_steps_stay_with_inductor_on_cuda(cuda_rules, fn, seq_q, verdict, batch):
+    q, k, v = qkv(batch=batch, seq_q=seq_q, seq_k=SEQ_K)
     compile_and_compare(fn, q, k, v, rewrites=int(verdict == "rewritten"))
     counts = pass_counts()
     assert counts.get("refused:decode_step", 0) == int(verdict == "refused"), counts
@@ -173,9 +174,10 @@ def test_decode_refusal_is_explained(cuda_rules):
     assert "refused: decode_step (Sq=1 query rows: the kernel's 128-row tile and no split-KV" in text, text
 
 
-def test_decode_steps_still_rewritten_on_cpu(cpu_pass):
+@pytest.mark.parametrize("fn", [_decode_sdpa, _decode_hand_written], ids=["sdpa", "hand_written"])
+def test_decode_steps_still_rewritten_on_cpu(cpu_pass, fn):
     """The rule is about the Hopper kernel's speed: CPU graphs (config.rewrite_on_cpu) keep exercising the op."""
-    compile_and_compare(_decode_sdpa, *qkv(seq_q=1, seq_k=SEQ_K), rewrites=1)
+    compile_and_compare(fn, *qkv(batch=1, seq_q=1, seq_k=SEQ_K), rewrites=1)
 
 
 # --- training graphs on CUDA: the op's backward must be the fast one too -----------------------------

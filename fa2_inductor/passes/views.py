@@ -141,7 +141,18 @@ def _split_dims(shape, bmm_shape) -> Optional[list[int]]:
 
 def batched_matmul(node: fx.Node) -> Optional[BatchedMatmul]:
     """Recognises ``node`` as the output of a logical batched matmul, or returns None."""
-    source, dims = strip_views(node)
+    # Seen through size-1 views first (einsum's extra dims); then as a plain view of the bmm, which is
+    # what a batch of 1 with a single query row needs: [H, 1, Sk] -> [1, H, 1, Sk] only inserts 1s, so
+    # the first reading cannot tell the row dim from an inserted one.
+    for unit_views in (True, False):
+        found = _batched_matmul(node, unit_views)
+        if found is not None:
+            return found
+    return None
+
+
+def _batched_matmul(node: fx.Node, unit_views: bool) -> Optional[BatchedMatmul]:
+    source, dims = strip_views(node, unit_views)
     rank = tensor_val(node).dim()
     if is_op(source, aten.bmm) and rank > 3 and dims == [None] * (rank - 3) + [0, 1, 2]:
         bmm = source  # a batch of 1 x H: the split of N into batch dims is a unit view
