@@ -18,7 +18,7 @@ from torch import Tensor
 # Scores held at once by one query block, in elements (64 Mi float32 = 256 MiB).
 _MAX_BLOCK_SCORES = 1 << 26
 
-# torch 2.13's CPU build (MKL) can compute a process's first large multi-threaded exp at reduced
+# torch 2.13's CPU build can compute a process's first large multi-threaded exp at reduced
 # accuracy on the calling thread (float32 off by ~1e-4 relative; seen with OMP_NUM_THREADS=2, 4).
 # One small exp on this thread first avoids it; it costs microseconds.
 torch.exp(torch.zeros(1))
