@@ -8,7 +8,7 @@ considered, so a CPU install needs nothing but setuptools.
 from __future__ import annotations
 
 import os
-import re
+import runpy
 import shutil
 import sys
 from pathlib import Path
@@ -16,9 +16,6 @@ from pathlib import Path
 from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
-INSTANTIATIONS = ROOT / "csrc" / "instantiations"
-DEFAULT_HEAD_DIMS = "64,128,256"
-DEFAULT_DTYPES = "bf16,fp16"
 # A CUTLASS translation unit can take a few GiB in nvcc; keep parallel jobs within memory.
 GIB_PER_COMPILE_JOB = 4
 
@@ -71,19 +68,31 @@ def cutlass_include_dirs() -> list[str]:
     )
 
 
-def selected_instantiations() -> tuple[list[str], list[str]]:
-    """(sources, defines) for the kernel instantiations chosen by FA2_INDUCTOR_HEAD_DIMS / _DTYPES."""
-    head_dims = set(_env_list("FA2_INDUCTOR_HEAD_DIMS", DEFAULT_HEAD_DIMS))
-    dtypes = set(_env_list("FA2_INDUCTOR_DTYPES", DEFAULT_DTYPES))
-    sources, defines = [], set()
-    for path in sorted(INSTANTIATIONS.glob("fwd_hdim*_*.cu")):
-        match = re.match(r"fwd_hdim(\d+)_([a-z0-9]+)", path.stem)
-        if match and match[1] in head_dims and match[2] in dtypes:
-            sources.append(str(path.relative_to(ROOT)))
-            defines.add(f"-DFA2_INDUCTOR_KERNEL_HDIM{match[1]}_{match[2].upper()}")
-    if not sources:
-        sys.exit(f"No kernel instantiation matches head dims {sorted(head_dims)} and dtypes {sorted(dtypes)}")
-    return sources, sorted(defines)
+def _kernel_table():
+    return runpy.run_path(str(ROOT / "csrc" / "kernel_table.py"))
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    """Rewrites a generated file only when its text changes, so unchanged units are not rebuilt."""
+    if not path.is_file() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def generated_sources() -> list[str]:
+    """Writes the compile units and the binding's table for FA2_INDUCTOR_HEAD_DIMS / _DTYPES; returns the units."""
+    table = _kernel_table()
+    head_dims = {int(d) for d in _env_list("FA2_INDUCTOR_HEAD_DIMS", ",".join(map(str, table["HEAD_DIMS"])))}
+    dtypes = set(_env_list("FA2_INDUCTOR_DTYPES", ",".join(table["DTYPES"])))
+    unknown = sorted(map(str, head_dims - set(table["HEAD_DIMS"]))) + sorted(dtypes - set(table["DTYPES"]))
+    if unknown or not head_dims or not dtypes:
+        sys.exit(f"FA2_INDUCTOR_HEAD_DIMS / FA2_INDUCTOR_DTYPES: choose from {table['HEAD_DIMS']} and "
+                 f"{sorted(table['DTYPES'])}; got unknown or empty {unknown or 'selection'}")
+    units = table["compile_units"](head_dims, dtypes)
+    for path, text in units.items():
+        _write_if_changed(ROOT / path, text)
+    _write_if_changed(ROOT / table["GENERATED_DIR"] / "kernel_table.inc", table["binding_table"](head_dims, dtypes))
+    return sorted(units)
 
 
 def _bound_max_jobs() -> None:
@@ -103,7 +112,7 @@ def cuda_extension_kwargs() -> dict:
     # Only sm_90a: without this torch adds a plain sm_90 target for the GPU it sees, which doubles the
     # compile and cannot hold wgmma/setmaxnreg code.
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
-    sources, defines = selected_instantiations()
+    sources = generated_sources()
     nvcc_flags = [
         "-gencode=arch=compute_90a,code=sm_90a",
         "-O3",
@@ -113,13 +122,12 @@ def cuda_extension_kwargs() -> dict:
         "--use_fast_math",
         "-Xptxas=-v",
         "-DNDEBUG",
-        *defines,
     ]
     extension = CUDAExtension(
         name="fa2_inductor._C",
         sources=["csrc/api.cpp", *sources],
         include_dirs=[str(ROOT / "csrc"), *cutlass_include_dirs()],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17", *defines], "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
     )
     print(f"fa2_inductor: building {len(sources)} kernel instantiations with MAX_JOBS={os.environ['MAX_JOBS']}")
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}

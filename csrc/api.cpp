@@ -1,11 +1,13 @@
 // Python binding of the Hopper forward kernel: fa2_inductor._C.
 // The only file that includes torch. Python owns the op schema; this module registers none.
 // fwd() checks its arguments, fills fa2::FwdParams and launches on the current stream: no
-// allocation, no synchronisation, so it can run inside CUDA graph capture.
+// allocation, no synchronisation, so it can run inside CUDA graph capture (fwd_masked allocates its
+// workspace from the stream-ordered caching allocator, which capture allows).
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <map>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -14,6 +16,8 @@
 
 namespace {
 
+constexpr int64_t kMaxSeqLen = (int64_t(1) << 31) - 1;  // sequence positions are int32 in the kernels
+
 using RunFn = cudaError_t (*)(const fa2::FwdParams&, cudaStream_t);
 using WorkspaceFn = int64_t (*)(const fa2::FwdParams&);
 
@@ -21,41 +25,24 @@ struct KernelEntry {
   int head_dim;
   fa2::DType dtype;
   const char* dtype_name;
-  RunFn run[2];         // [causal]
-  RunFn run_masked[2];                // [0: bool mask, 1: additive mask]
-  WorkspaceFn masked_workspace[2];    // device bytes the masked forward needs, same index
+  RunFn run[2];                    // [causal]
+  RunFn run_masked[2][2];          // [0: bool mask, 1: additive mask][causal]; null: not compiled
+  WorkspaceFn masked_workspace[2]; // device bytes the masked forward needs, [bool, additive]
 };
 
-// The masked instantiations (fwd_hdim{D}_{dtype}_mask{bool,add}.cu) share the prefix setup.py
-// selects by, so they are always built together with the unmasked ones.
-#define FA2_ENTRY(D, DT, NAME)                                                                    \
-  KernelEntry{D, fa2::DType::DT, NAME,                                                            \
-              {&fa2::run_fwd<D, fa2::DType::DT, false>, &fa2::run_fwd<D, fa2::DType::DT, true>}, \
-              {&fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kBool>,                     \
-               &fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kAdditive>},                \
-              {&fa2::masked_workspace_bytes<D, fa2::DType::DT, fa2::MaskKind::kBool>,             \
+// One entry per compiled (head dim, dtype); the rows come from csrc/kernel_table.py.
+#define FA2_ENTRY(D, DT, NAME)                                                                               \
+  KernelEntry{D, fa2::DType::DT, NAME,                                                                       \
+              {&fa2::run_fwd<D, fa2::DType::DT, false>, &fa2::run_fwd<D, fa2::DType::DT, true>},            \
+              {{&fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kBool, false>,                        \
+                &fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kBool, true>},                        \
+               {&fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kAdditive, false>, nullptr}},          \
+              {&fa2::masked_workspace_bytes<D, fa2::DType::DT, fa2::MaskKind::kBool>,                        \
                &fa2::masked_workspace_bytes<D, fa2::DType::DT, fa2::MaskKind::kAdditive>}},
 
 const std::vector<KernelEntry>& kernel_table() {
   static const std::vector<KernelEntry> table = {
-#ifdef FA2_INDUCTOR_KERNEL_HDIM64_BF16
-      FA2_ENTRY(64, kBF16, "bf16")
-#endif
-#ifdef FA2_INDUCTOR_KERNEL_HDIM64_FP16
-      FA2_ENTRY(64, kFP16, "fp16")
-#endif
-#ifdef FA2_INDUCTOR_KERNEL_HDIM128_BF16
-      FA2_ENTRY(128, kBF16, "bf16")
-#endif
-#ifdef FA2_INDUCTOR_KERNEL_HDIM128_FP16
-      FA2_ENTRY(128, kFP16, "fp16")
-#endif
-#ifdef FA2_INDUCTOR_KERNEL_HDIM256_BF16
-      FA2_ENTRY(256, kBF16, "bf16")
-#endif
-#ifdef FA2_INDUCTOR_KERNEL_HDIM256_FP16
-      FA2_ENTRY(256, kFP16, "fp16")
-#endif
+#include "generated/kernel_table.inc"
   };
   return table;
 }
@@ -81,8 +68,8 @@ void check_operand(const at::Tensor& t, const char* name, const at::Tensor& q) {
 int64_t tma_stride(const at::Tensor& t, int dim, const char* name) {
   if (t.size(dim) <= 1) return 8;
   const int64_t s = t.stride(dim);
-  TORCH_CHECK(s > 0 && s % 8 == 0, "fa2_inductor._C.fwd: ", name, " stride ", s, " of dim ", dim,
-              " must be a positive multiple of 8 elements (16 bytes)");
+  TORCH_CHECK(s > 0 && s % fa2::kStrideAlignElements == 0, "fa2_inductor._C.fwd: ", name, " stride ", s, " of dim ",
+              dim, " must be a positive multiple of ", fa2::kStrideAlignElements, " elements (16 bytes)");
   return s;
 }
 
@@ -109,8 +96,8 @@ fa2::FwdParams describe_call(const char* fn, const at::Tensor& q, const at::Tens
                   lse.dim() == 3 && lse.size(0) == B && lse.size(1) == Hq && lse.size(2) == Sq &&
                   (lse.stride(2) == 1 || Sq <= 1),
               fn, ": lse must be float32 [B, Hq, Sq] with unit row stride");
-  TORCH_CHECK(B <= 65535 && Hq <= 65535, fn, ": batch and heads must be <= 65535");
-  TORCH_CHECK(Sq < (int64_t(1) << 31) && Sk < (int64_t(1) << 31), fn, ": sequence too long");
+  TORCH_CHECK(B <= fa2::kMaxGridDim && Hq <= fa2::kMaxGridDim, fn, ": batch and heads must be <= ", fa2::kMaxGridDim);
+  TORCH_CHECK(Sq <= kMaxSeqLen && Sk <= kMaxSeqLen, fn, ": sequence too long");
 
   fa2::FwdParams p;
   p.q = q.data_ptr();
@@ -149,6 +136,13 @@ const KernelEntry& kernel_for(const char* fn, const at::Tensor& q) {
   return *entry;
 }
 
+// window_left: -1 (none) or, with is_causal, the number of keys before the diagonal a query still sees.
+int check_window(const char* fn, bool is_causal, int64_t window_left) {
+  TORCH_CHECK(window_left == -1 || (is_causal && window_left >= 0 && window_left <= kMaxSeqLen), fn,
+              ": window_left must be -1, or a non-negative key count together with is_causal, got ", window_left);
+  return int(window_left);
+}
+
 void check_launch(const char* fn, cudaError_t err) {
   TORCH_CHECK(err == cudaSuccess, fn, ": kernel launch failed: ", cudaGetErrorString(err));
 }
@@ -156,10 +150,11 @@ void check_launch(const char* fn, cudaError_t err) {
 }  // namespace
 
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-         double scale, bool is_causal) {
+         double scale, bool is_causal, int64_t window_left) {
   constexpr const char* fn = "fa2_inductor._C.fwd";
   fa2::FwdParams p = describe_call(fn, q, k, v, out, lse, scale);
   p.causal = is_causal;
+  p.window_left = check_window(fn, is_causal, window_left);
   const KernelEntry& entry = kernel_for(fn, q);
   if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return;
   c10::cuda::CUDAGuard guard(q.device());
@@ -167,13 +162,15 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
 }
 
 // Forward with an attention mask already expanded to [B, Hq, Sq, Sk] (zero strides on broadcast
-// dims; any non-negative strides). bool: True = attend; float32/bf16/fp16: additive. The pre-pass
-// writes into a workspace from the caching allocator (stream-ordered, so CUDA-graph safe), then the
-// masked kernel runs.
+// dims; any non-negative strides). bool: True = attend; float32/bf16/fp16: additive. With is_causal
+// the causal (and window) positions are hidden too. The pre-pass writes into a workspace from the
+// caching allocator (stream-ordered, so CUDA-graph safe), then the masked kernel runs.
 void fwd_masked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-                double scale, const at::Tensor& mask) {
+                double scale, const at::Tensor& mask, bool is_causal, int64_t window_left) {
   constexpr const char* fn = "fa2_inductor._C.fwd_masked";
   fa2::FwdParams p = describe_call(fn, q, k, v, out, lse, scale);
+  p.causal = is_causal;
+  p.window_left = check_window(fn, is_causal, window_left);
   const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), Sk = k.size(2);
   TORCH_CHECK(Sk > 0, fn, ": needs at least one key");
   TORCH_CHECK(scale > 0, fn, ": scale must be positive");
@@ -181,16 +178,18 @@ void fwd_masked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
   TORCH_CHECK(mask.dim() == 4 && mask.size(0) == B && mask.size(1) == Hq && mask.size(2) == Sq && mask.size(3) == Sk,
               fn, ": mask must be expanded to [B, Hq, Sq, Sk]");
   for (int d = 0; d < 4; ++d) TORCH_CHECK(mask.stride(d) >= 0, fn, ": mask strides must be non-negative");
-  int run_index;
+  int kind;
   switch (mask.scalar_type()) {
-    case at::kBool: p.mask_dtype = fa2::MaskDType::kBool; run_index = 0; break;
-    case at::kFloat: p.mask_dtype = fa2::MaskDType::kF32; run_index = 1; break;
-    case at::kBFloat16: p.mask_dtype = fa2::MaskDType::kBF16; run_index = 1; break;
-    case at::kHalf: p.mask_dtype = fa2::MaskDType::kF16; run_index = 1; break;
+    case at::kBool: p.mask_dtype = fa2::MaskDType::kBool; kind = 0; break;
+    case at::kFloat: p.mask_dtype = fa2::MaskDType::kF32; kind = 1; break;
+    case at::kBFloat16: p.mask_dtype = fa2::MaskDType::kBF16; kind = 1; break;
+    case at::kHalf: p.mask_dtype = fa2::MaskDType::kF16; kind = 1; break;
     default: TORCH_CHECK(false, fn, ": mask dtype must be bool, float32, bfloat16 or float16, got ", mask.scalar_type());
   }
   static_assert(sizeof(bool) == 1, "bool masks are read as bytes");
   const KernelEntry& entry = kernel_for(fn, q);
+  const RunFn run = entry.run_masked[kind][is_causal ? 1 : 0];
+  TORCH_CHECK(run != nullptr, fn, ": no kernel compiled for ", mask.scalar_type(), " masks with is_causal");
   if (B == 0 || Hq == 0 || Sq == 0) return;
 
   c10::cuda::CUDAGuard guard(q.device());
@@ -202,11 +201,51 @@ void fwd_masked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
   p.mask_col_stride = Sk == 1 ? 0 : mask.stride(3);
   const int64_t class_batches = p.mask_batch_stride == 0 ? 1 : B;
   const int64_t class_heads = p.mask_head_stride == 0 ? 1 : Hq;
-  TORCH_CHECK(class_batches * class_heads <= 65535 && (p.mask_row_stride == 0 || (Sq + 127) / 128 <= 65535), fn,
+  const int64_t class_m_blocks = p.mask_row_stride == 0 ? 1 : (Sq + fa2::kMaskBlockM - 1) / fa2::kMaskBlockM;
+  TORCH_CHECK(class_batches * class_heads <= fa2::kMaxGridDim && class_m_blocks <= fa2::kMaxGridDim, fn,
               ": mask too large for the block classification grid");
-  at::Tensor workspace = at::empty({entry.masked_workspace[run_index](p)}, q.options().dtype(at::kByte));
+  at::Tensor workspace = at::empty({entry.masked_workspace[kind](p)}, q.options().dtype(at::kByte));
   p.mask_workspace = workspace.data_ptr();
-  check_launch(fn, entry.run_masked[run_index](p, c10::cuda::getCurrentCUDAStream().stream()));
+  check_launch(fn, run(p, c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+// Rewrites the rows the forward left empty (lse = -inf) to the mean of V over all keys (the op's
+// empty_rows_mean policy).
+void fill_empty_rows(at::Tensor& out, const at::Tensor& lse, const at::Tensor& v) {
+  constexpr const char* fn = "fa2_inductor._C.fill_empty_rows";
+  check_operand(out, "out", out);
+  check_operand(v, "v", out);
+  TORCH_CHECK(out.scalar_type() == v.scalar_type() && (v.scalar_type() == at::kBFloat16 || v.scalar_type() == at::kHalf),
+              fn, ": out and v must share a dtype, bfloat16 or float16");
+  const int64_t B = out.size(0), Hq = out.size(1), Sq = out.size(2), D = out.size(3);
+  TORCH_CHECK(v.size(0) == B && v.size(3) == D && v.size(1) > 0 && Hq % v.size(1) == 0, fn, ": v does not match out");
+  TORCH_CHECK(D <= fa2::kMaxHeadDim, fn, ": head dim above ", fa2::kMaxHeadDim);
+  TORCH_CHECK(lse.is_cuda() && lse.device() == out.device() && lse.scalar_type() == at::kFloat && lse.dim() == 3 &&
+                  lse.size(0) == B && lse.size(1) == Hq && lse.size(2) == Sq && (lse.stride(2) == 1 || Sq <= 1),
+              fn, ": lse must be float32 [B, Hq, Sq] with unit row stride");
+  TORCH_CHECK(B <= fa2::kMaxGridDim && Hq <= fa2::kMaxGridDim, fn, ": batch and heads must be <= ", fa2::kMaxGridDim);
+  fa2::EmptyRowsParams p;
+  p.o = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.v = v.data_ptr();
+  p.batch = int(B);
+  p.heads_q = int(Hq);
+  p.heads_kv = int(v.size(1));
+  p.seqlen_q = int(Sq);
+  p.seqlen_k = int(v.size(2));
+  p.head_dim = int(D);
+  p.o_batch_stride = out.stride(0);
+  p.o_head_stride = out.stride(1);
+  p.o_row_stride = out.stride(2);
+  p.lse_batch_stride = lse.stride(0);
+  p.lse_head_stride = lse.stride(1);
+  p.v_batch_stride = v.stride(0);
+  p.v_head_stride = v.stride(1);
+  p.v_row_stride = v.stride(2);
+  c10::cuda::CUDAGuard guard(out.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_launch(fn, v.scalar_type() == at::kBFloat16 ? fa2::run_fill_empty_rows<fa2::DType::kBF16>(p, stream)
+                                                    : fa2::run_fill_empty_rows<fa2::DType::kFP16>(p, stream));
 }
 
 std::vector<std::tuple<int64_t, std::string>> compiled_kernels() {
@@ -215,14 +254,30 @@ std::vector<std::tuple<int64_t, std::string>> compiled_kernels() {
   return result;
 }
 
+// What every compiled kernel can take; Python's support rules read these instead of restating them.
+std::map<std::string, int64_t> limits() {
+  return {
+      {"max_head_dim", fa2::kMaxHeadDim},
+      {"max_grid_dim", fa2::kMaxGridDim},
+      {"max_seqlen", kMaxSeqLen},
+      {"stride_align_elements", fa2::kStrideAlignElements},
+      {"mask_block_m", fa2::kMaskBlockM},
+      {"additive_mask_with_causal",
+       !kernel_table().empty() && kernel_table().front().run_masked[1][1] != nullptr ? 1 : 0},
+  };
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fa2_inductor Hopper (sm_90a) FlashAttention forward kernel";
   m.def("fwd", &fwd, "Attention forward into preallocated out [B,Hq,Sq,D] and lse [B,Hq,Sq] (float32)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
-        pybind11::arg("scale"), pybind11::arg("is_causal"));
+        pybind11::arg("scale"), pybind11::arg("is_causal"), pybind11::arg("window_left"));
   m.def("fwd_masked", &fwd_masked,
         "Masked attention forward (mask expanded to [B,Hq,Sq,Sk]: bool = attend, or additive float32/bf16/fp16)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
-        pybind11::arg("scale"), pybind11::arg("mask"));
+        pybind11::arg("scale"), pybind11::arg("mask"), pybind11::arg("is_causal"), pybind11::arg("window_left"));
+  m.def("fill_empty_rows", &fill_empty_rows, "Rows with lse = -inf get the mean of V over all keys",
+        pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("v"));
   m.def("compiled_kernels", &compiled_kernels, "List of (head_dim, dtype_name) compiled into this build");
+  m.def("limits", &limits, "The limits every compiled kernel shares");
 }

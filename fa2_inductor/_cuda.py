@@ -18,9 +18,6 @@ from . import _extension
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Mask dtypes the masked kernels read: bool (True = attend) or additive float32/bf16/fp16.
 _MASK_DTYPES = (torch.bool, torch.float32, torch.bfloat16, torch.float16)
-# Query tile of every masked kernel (KernelTraits::kBlockM); the pre-pass grid has one row of
-# CTAs per query tile (grid.y <= 65535) and one z-slice per class batch x class head.
-_MASKED_BLOCK_M = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,6 +25,12 @@ def _compiled() -> frozenset:
     if _extension.C is None:
         return frozenset()
     return frozenset((int(d), str(n)) for d, n in _extension.C.compiled_kernels())
+
+
+@functools.lru_cache(maxsize=None)
+def limits() -> dict:
+    """What every compiled kernel can take, as the extension reports it (empty without one)."""
+    return {} if _extension.C is None else dict(_extension.C.limits())
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,9 +57,10 @@ def _layout_reason(name: str, t: Tensor) -> Optional[str]:
     ptr = _data_ptr(t)
     if ptr is not None and ptr % 16 != 0:
         return f"{name} not 16-byte aligned"
+    align = limits()["stride_align_elements"]
     for dim in range(3):
-        if t.shape[dim] > 1 and (t.stride(dim) <= 0 or t.stride(dim) % 8 != 0):
-            return f"{name} stride {t.stride(dim)} of dim {dim} is not a positive multiple of 8 elements"
+        if t.shape[dim] > 1 and (t.stride(dim) <= 0 or t.stride(dim) % align != 0):
+            return f"{name} stride {t.stride(dim)} of dim {dim} is not a positive multiple of {align} elements"
     return None
 
 
@@ -71,10 +75,10 @@ def _mask_reason(attn_mask: Tensor, q: Tensor, k: Tensor, is_causal: bool) -> Op
         return "kernel built without mask support"
     if os.environ.get("FA2_INDUCTOR_DISABLE_MASK_KERNEL", "0") == "1":
         return "masked kernels disabled (FA2_INDUCTOR_DISABLE_MASK_KERNEL=1)"
-    if is_causal:
-        return "attn_mask together with is_causal"
     if attn_mask.dtype not in _MASK_DTYPES:
         return f"attn_mask dtype {attn_mask.dtype} not supported by the kernel"
+    if is_causal and attn_mask.dtype != torch.bool and not limits()["additive_mask_with_causal"]:
+        return "additive attn_mask together with is_causal"
     if attn_mask.device != q.device:
         return "attn_mask on another device"
     if attn_mask.dim() > 4 or q.dim() != 4 or k.dim() != 4:
@@ -88,17 +92,21 @@ def _mask_reason(attn_mask: Tensor, q: Tensor, k: Tensor, is_causal: bool) -> Op
     b, hq, sq, _ = q.shape
     class_b = 1 if b == 1 or mask.stride(0) == 0 else b
     class_h = 1 if hq == 1 or mask.stride(1) == 0 else hq
-    if class_b * class_h > 65535 or -(-sq // _MASKED_BLOCK_M) > 65535:
+    class_m = 1 if sq == 1 or mask.stride(2) == 0 else -(-sq // limits()["mask_block_m"])
+    if class_b * class_h > limits()["max_grid_dim"] or class_m > limits()["max_grid_dim"]:
         return "attn_mask too large for the block classification grid"
     return None
 
 
 def kernel_unsupported_reason(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1
 ) -> Optional[str]:
-    """None when the compiled kernel runs this call, else a short reason."""
+    """None when the compiled kernel runs this call, else a short reason. The one place that decides it:
+    the op's CUDA path, the graph pass's device rules and ``explain`` all ask here."""
     if _extension.C is None:
         return "kernel not built"
+    if window_left != -1 and not is_causal:
+        return "window_left without is_causal"
     if attn_mask is not None:
         reason = _mask_reason(attn_mask, q, k, is_causal)
         if reason is not None:
@@ -119,9 +127,9 @@ def kernel_unsupported_reason(
         return f"no kernel compiled for head dim {d} {name}"
     b, hq, sq, _ = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    if b > 65535 or hq > 65535:
-        return "batch or heads above 65535"
-    if sq >= 2**31 or sk >= 2**31:
+    if max(b, hq) > limits()["max_grid_dim"]:
+        return f"batch or heads above {limits()['max_grid_dim']}"
+    if max(sq, sk) > limits()["max_seqlen"]:
         return "sequence too long"
     if hkv == 0 or hq % hkv != 0:
         return "Hq must be a multiple of Hkv"
@@ -141,33 +149,35 @@ def forward(
     out: Tensor,
     lse: Tensor,
     attn_mask: Optional[Tensor] = None,
+    window_left: int = -1,
+    empty_rows_mean: bool = False,
 ) -> None:
-    """Runs the kernel into preallocated out [B,Hq,Sq,D] and lse [B,Hq,Sq] (float32, natural log).
+    """Runs the kernel into preallocated out [B,Hq,Sq,D] and lse [B,Hq,Sq] (float32, natural log), with the
+    op's meaning of every argument; only for calls ``kernel_unsupported_reason`` accepted.
 
-    attn_mask (only where ``kernel_unsupported_reason`` accepted it): bool (True = attend) or
-    additive float32/bf16/fp16, broadcastable to [B, Hq, Sq, Sk]; read through its strides.
+    attn_mask: bool (True = attend) or additive float32/bf16/fp16, broadcastable to [B, Hq, Sq, Sk]; read
+    through its strides.
     """
     if q.numel() == 0 and (q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0):
         return
-    if k.shape[2] == 0:  # no key at all: every row is empty
+    if k.shape[2] == 0:  # no key at all: every row is empty (and has no key to average)
         out.zero_()
         lse.fill_(float("-inf"))
         return
     if scale == 0:  # rare: the kernels mask scores with -inf before scaling (0 * -inf = NaN)
         from . import reference
 
-        reference.attention_forward(q, k, v, attn_mask, 0.0, is_causal, out, lse)
+        reference.attention_forward(q, k, v, attn_mask, 0.0, is_causal, out, lse, window_left, empty_rows_mean)
         return
-    if attn_mask is not None:
-        if is_causal:
-            raise ValueError("_cuda.forward: attn_mask together with is_causal is not supported")
-        if scale < 0:
-            q, scale = -q, -scale
-        _extension.C.fwd_masked(q, k, v, out, lse, float(scale), _expanded_mask(attn_mask, q, k))
-        return
-    if scale < 0:  # the kernel tracks the max of raw scores, which needs a non-negative scale
+    if scale < 0:  # the kernels track the max of raw scores, which needs a non-negative scale
         q, scale = -q, -scale
-    _extension.C.fwd(q, k, v, out, lse, float(scale), bool(is_causal))
+    if attn_mask is not None:
+        _extension.C.fwd_masked(q, k, v, out, lse, float(scale), _expanded_mask(attn_mask, q, k), bool(is_causal),
+                                int(window_left))
+    else:
+        _extension.C.fwd(q, k, v, out, lse, float(scale), bool(is_causal), int(window_left))
+    if empty_rows_mean:
+        _extension.C.fill_empty_rows(out, lse, v)
 
 
 def _flash_backward_op():
@@ -175,11 +185,13 @@ def _flash_backward_op():
 
 
 def backward_unsupported_reason(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1
 ) -> Optional[str]:
     """None when ``backward`` can run this call through PyTorch's flash-attention backward."""
     if attn_mask is not None:
         return "attn_mask"
+    if window_left != -1 and not _flash_backward_takes_window():
+        return "window_left: this torch's flash backward has no window arguments"
     if q.device.type != "cuda":
         return "not a CUDA tensor"
     if q.dtype not in _DTYPE_NAMES:
@@ -200,13 +212,21 @@ def backward_unsupported_reason(
     return None
 
 
-def backward(grad_out, q, k, v, out, lse, scale, is_causal):
+@functools.lru_cache(maxsize=None)
+def _flash_backward_takes_window() -> bool:
+    op = _flash_backward_op()
+    return op is not None and "window_size_left" in {a.name for a in op.default._schema.arguments}
+
+
+def backward(grad_out, q, k, v, out, lse, scale, is_causal, window_left=-1):
     """(dq, dk, dv) from PyTorch's flash-attention backward, using the LSE our kernel wrote.
 
     That kernel takes [B, S, H, D] tensors (GQA handled inside) and the LSE as [B, Hq, Sq] float32.
+    A causal window maps to its window_size_left (window_size_right = 0 is the diagonal).
     """
     sq, sk = q.shape[2], k.shape[2]
     no_rng = torch.empty((), dtype=torch.int64)
+    window = {"window_size_left": int(window_left), "window_size_right": 0} if window_left != -1 else {}
     dq, dk, dv = _flash_backward_op()(
         grad_out.transpose(1, 2),
         q.transpose(1, 2),
@@ -223,5 +243,6 @@ def backward(grad_out, q, k, v, out, lse, scale, is_causal):
         no_rng,
         no_rng,
         scale=float(scale),
+        **window,
     )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

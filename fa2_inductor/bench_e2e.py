@@ -32,7 +32,7 @@ from torch._dynamo.utils import counters
 
 from . import config as fa2_config
 from . import hf
-from .bench import environment, time_calls, write_json
+from .bench import environment, time_calls, write_json, zoo
 from .bench.timing import keep_busy
 
 BASELINE = "sdpa + Inductor"
@@ -179,11 +179,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", type=Path, default=Path("bench_e2e.json"))
     parser.add_argument("--tiny", action="store_true", help="2-layer float32 model on CPU (for tests)")
+    zoo.add_arguments(parser)
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> list[Result]:
+def main(argv=None) -> list:
     args = parse_args(argv)
+    if args.zoo:
+        return zoo.main(args)
     hf.register()
     if args.tiny:
         shape, dtype, device = TINY_SHAPE, torch.float32, torch.device("cpu")

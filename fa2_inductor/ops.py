@@ -1,8 +1,11 @@
 """The attention op: schema, input checks, fake, reference and CUDA implementations, autograd.
 
-``torch.ops.fa2_inductor.flash_attention_fwd(q, k, v, attn_mask, scale, is_causal) -> (out, lse)``
-computes ``softmax(q kᵀ · scale + mask) v`` like ``F.scaled_dot_product_attention`` and also returns
-the natural-log log-sum-exp of the scaled, masked scores. ``lse`` is not differentiable.
+``torch.ops.fa2_inductor.flash_attention_fwd(q, k, v, attn_mask, scale, is_causal, window_left=-1,
+empty_rows_mean=False) -> (out, lse)`` computes ``softmax(q kᵀ · scale + mask) v`` like
+``F.scaled_dot_product_attention`` and also returns the natural-log log-sum-exp of the scaled, masked
+scores. ``lse`` is not differentiable. Unlike SDPA, ``attn_mask`` and ``is_causal`` may come together
+(both apply), ``window_left`` bounds a causal sliding window, and ``empty_rows_mean`` picks what rows with
+no visible key return (see ``flash_attention``).
 
 The CUDA implementation runs the Hopper kernel where it covers the call (see ``_cuda``) and the
 reference otherwise, so every device gets a correct answer.
@@ -23,9 +26,13 @@ MAX_HEAD_DIM = 256
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool) -> None:
+def check_inputs(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1
+) -> None:
     """Raises ValueError naming the problem when the arguments do not describe a valid attention."""
     for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"flash_attention: {name} must be a tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"flash_attention: {name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -43,18 +50,22 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], i
         raise ValueError(f"flash_attention: head dims differ: q {d}, k {k.shape[-1]}, v {v.shape[-1]}")
     if d > MAX_HEAD_DIM:
         raise ValueError(f"flash_attention: head_dim {d} is larger than the supported {MAX_HEAD_DIM}")
+    if d == 0:
+        raise ValueError("flash_attention: head_dim is 0")
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
         raise ValueError(f"flash_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same heads and length")
     hkv = k.shape[1]
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"flash_attention: query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if window_left != -1 and not (is_causal and window_left >= 0):
+        raise ValueError(f"flash_attention: window_left must be -1 or, with is_causal=True, >= 0; got {window_left}")
     if attn_mask is not None:
-        _check_mask(attn_mask, (b, hq, sq, k.shape[2]), q, is_causal)
+        _check_mask(attn_mask, (b, hq, sq, k.shape[2]), q)
 
 
-def _check_mask(attn_mask: Tensor, shape: tuple, q: Tensor, is_causal: bool) -> None:
-    if is_causal:
-        raise ValueError("flash_attention: give either attn_mask or is_causal=True, not both (as in SDPA)")
+def _check_mask(attn_mask: Tensor, shape: tuple, q: Tensor) -> None:
+    if not isinstance(attn_mask, Tensor):
+        raise ValueError(f"flash_attention: attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
     if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
         raise ValueError(f"flash_attention: attn_mask must be bool (True = attend) or floating (additive), got {attn_mask.dtype}")
     if attn_mask.device != q.device:
@@ -67,18 +78,25 @@ def _check_mask(attn_mask: Tensor, shape: tuple, q: Tensor, is_causal: bool) -> 
         raise ValueError(f"flash_attention: attn_mask of shape {mask_shape} does not broadcast to [B, Hq, Sq, Sk] = {list(shape)}")
 
 
-def _reference_fwd(q, k, v, attn_mask, scale, is_causal):
+def _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows_mean):
     out, lse = reference.empty_outputs(q, v)
-    reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse)
+    reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows_mean)
     return out, lse
 
 
 @torch.library.custom_op("fa2_inductor::flash_attention_fwd", mutates_args=())
 def flash_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], scale: float, is_causal: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Optional[Tensor],
+    scale: float,
+    is_causal: bool,
+    window_left: int = -1,
+    empty_rows_mean: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    check_inputs(q, k, v, attn_mask, is_causal)
-    return _reference_fwd(q, k, v, attn_mask, scale, is_causal)
+    check_inputs(q, k, v, attn_mask, is_causal, window_left)
+    return _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows_mean)
 
 
 def _note_reference_fallback(reason: str) -> None:
@@ -92,20 +110,20 @@ def _note_reference_fallback(reason: str) -> None:
 
 
 @flash_attention_fwd.register_kernel("cuda")
-def _flash_attention_fwd_cuda(q, k, v, attn_mask, scale, is_causal):
-    check_inputs(q, k, v, attn_mask, is_causal)
-    reason = _cuda.kernel_unsupported_reason(q, k, v, attn_mask, is_causal)
+def _flash_attention_fwd_cuda(q, k, v, attn_mask, scale, is_causal, window_left=-1, empty_rows_mean=False):
+    check_inputs(q, k, v, attn_mask, is_causal, window_left)
+    reason = _cuda.kernel_unsupported_reason(q, k, v, attn_mask, is_causal, window_left)
     if reason is not None:
         _note_reference_fallback(reason)
-        return _reference_fwd(q, k, v, attn_mask, scale, is_causal)
+        return _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows_mean)
     out, lse = reference.empty_outputs(q, v)
-    _cuda.forward(q, k, v, scale, is_causal, out, lse, attn_mask=attn_mask)
+    _cuda.forward(q, k, v, scale, is_causal, out, lse, attn_mask, window_left, empty_rows_mean)
     return out, lse
 
 
 @flash_attention_fwd.register_fake
-def _flash_attention_fwd_fake(q, k, v, attn_mask, scale, is_causal):
-    check_inputs(q, k, v, attn_mask, is_causal)
+def _flash_attention_fwd_fake(q, k, v, attn_mask, scale, is_causal, window_left=-1, empty_rows_mean=False):
+    check_inputs(q, k, v, attn_mask, is_causal, window_left)
     return reference.empty_outputs(q, v)
 
 
@@ -121,39 +139,44 @@ def flash_attention_bwd(
     scale: float,
     is_causal: bool,
     compute_mask_grad: bool,
+    window_left: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dmask), all contiguous; dmask is empty unless compute_mask_grad."""
-    return _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad)
+    """(dq, dk, dv, dmask), all contiguous; dmask is empty unless compute_mask_grad. Rows without a
+    visible key (lse = -inf) contribute no gradient, whatever the forward returned for them."""
+    return _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left)
 
 
-def _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad):
+def _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left):
     dq, dk, dv, dmask = reference.attention_backward(
-        grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad
+        grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left
     )
     dmask = q.new_empty(0) if dmask is None else dmask.contiguous()
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dmask
 
 
 @flash_attention_bwd.register_kernel("cuda")
-def _flash_attention_bwd_cuda(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad):
-    if compute_mask_grad or _cuda.backward_unsupported_reason(q, k, v, attn_mask, is_causal) is not None:
-        return _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad)
-    dq, dk, dv = _cuda.backward(grad_out, q, k, v, out, lse, scale, is_causal)
+def _flash_attention_bwd_cuda(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad,
+                              window_left=-1):
+    if compute_mask_grad or _cuda.backward_unsupported_reason(q, k, v, attn_mask, is_causal, window_left) is not None:
+        return _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left)
+    dq, dk, dv = _cuda.backward(grad_out, q, k, v, out, lse, scale, is_causal, window_left)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty(0)
 
 
 @flash_attention_bwd.register_fake
-def _flash_attention_bwd_fake(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad):
+def _flash_attention_bwd_fake(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad,
+                              window_left=-1):
     dmask = attn_mask.new_empty(attn_mask.shape) if compute_mask_grad else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, scale, is_causal = inputs
+    q, k, v, attn_mask, scale, is_causal, window_left, _empty_rows_mean = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.scale = scale
     ctx.is_causal = is_causal
+    ctx.window_left = window_left
     ctx.mark_non_differentiable(lse)
 
 
@@ -161,9 +184,9 @@ def _backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
     compute_mask_grad = bool(ctx.needs_input_grad[3])
     dq, dk, dv, dmask = flash_attention_bwd(
-        grad_out, q, k, v, out, lse, attn_mask, ctx.scale, ctx.is_causal, compute_mask_grad
+        grad_out, q, k, v, out, lse, attn_mask, ctx.scale, ctx.is_causal, compute_mask_grad, ctx.window_left
     )
-    return dq, dk, dv, (dmask if compute_mask_grad else None), None, None
+    return dq, dk, dv, (dmask if compute_mask_grad else None), None, None, None, None
 
 
 flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -177,15 +200,24 @@ def flash_attention(
     attn_mask: Optional[Tensor] = None,
     scale: Optional[float] = None,
     is_causal: bool = False,
+    window_left: int = -1,
+    empty_rows_mean: bool = False,
 ) -> Tensor:
     """Differentiable ``softmax(q kᵀ · scale + mask) v`` with SDPA's layout and meaning.
 
     q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D] with Hq % Hkv == 0 (GQA/MQA without copying K/V).
     attn_mask: bool (True = attend) or additive float, broadcastable to [B, Hq, Sq, Sk].
-    is_causal: top-left aligned (query i sees keys j <= i), as in SDPA. scale defaults to 1/sqrt(D).
-    Rows with no visible key return 0.
+    is_causal: top-left aligned (query i sees keys j <= i), as in SDPA; together with attn_mask both apply.
+    window_left: with is_causal, query i also sees no key before i - window_left (a sliding window of
+        window_left + 1 keys); -1 for none.
+    empty_rows_mean: rows with no visible key return 0 (False: SDPA's and FlashAttention's convention)
+        or the mean of V over all keys (True: what eager softmax gives when masked scores are a finite
+        fill far below every score, as Hugging Face's finfo.min masks are). Their lse is -inf either way.
+    scale defaults to 1/sqrt(D).
     """
+    check_inputs(q, k, v, attn_mask, is_causal, window_left)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    out, _ = flash_attention_fwd(q, k, v, attn_mask, float(scale), bool(is_causal))
+    out, _ = flash_attention_fwd(q, k, v, attn_mask, float(scale), bool(is_causal), int(window_left),
+                                 bool(empty_rows_mean))
     return out

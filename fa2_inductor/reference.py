@@ -4,7 +4,8 @@ Everything is computed in float32 (float64 stays float64) and processed in query
 ``B * Hq * block * Sk`` scores exist at once. K and V are never repeated for GQA: queries are grouped
 as ``[B, Hkv, G, Sq, D]`` against ``[B, Hkv, 1, Sk, D]``.
 
-Rows whose keys are all masked out give ``out = 0`` and ``lse = -inf`` (FlashAttention's convention).
+Rows whose keys are all masked out give ``lse = -inf`` and ``out = 0`` (FlashAttention's convention), or
+with ``empty_rows_mean`` the mean of V over all keys (what a finite fill such as finfo.min gives eagerly).
 """
 
 from __future__ import annotations
@@ -62,15 +63,18 @@ def _mask_block(
     return mask.to(dtype)
 
 
-def _causal_bias(rows: slice, seq_k: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """Top-left causal: query i sees keys j <= i."""
+def _causal_bias(rows: slice, seq_k: int, window_left: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Top-left causal: query i sees keys j <= i, and with window_left >= 0 no key before i - window_left."""
     q_pos = torch.arange(rows.start, rows.stop, device=device).unsqueeze(1)
     k_pos = torch.arange(seq_k, device=device).unsqueeze(0)
+    visible = k_pos <= q_pos
+    if window_left >= 0:
+        visible &= k_pos >= q_pos - window_left
     zero = torch.zeros((), dtype=dtype, device=device)
-    return torch.where(k_pos <= q_pos, zero, float("-inf"))
+    return torch.where(visible, zero, float("-inf"))
 
 
-def _block_scores(q, k, attn_mask, scale, is_causal, rows, shape, kv_heads, acc):
+def _block_scores(q, k, attn_mask, scale, is_causal, window_left, rows, shape, kv_heads, acc):
     """Scaled, masked scores of one query block: [B, Hkv, G, rows, Sk] in the accumulation dtype."""
     scores = torch.matmul(_group_view(q[:, :, rows], kv_heads).to(acc), k.to(acc).unsqueeze(2).transpose(-1, -2))
     scores = scores * scale
@@ -78,7 +82,7 @@ def _block_scores(q, k, attn_mask, scale, is_causal, rows, shape, kv_heads, acc)
     if bias is not None:
         scores = scores + bias
     if is_causal:
-        scores = scores + _causal_bias(rows, shape[3], q.device, acc)
+        scores = scores + _causal_bias(rows, shape[3], window_left, q.device, acc)
     return scores
 
 
@@ -104,6 +108,8 @@ def attention_forward(
     is_causal: bool,
     out: Tensor,
     lse: Tensor,
+    window_left: int = -1,
+    empty_rows_mean: bool = False,
 ) -> None:
     """Writes softmax(q kᵀ · scale + mask) v into ``out`` and the natural-log LSE into ``lse``."""
     b, hq, sq, _ = q.shape
@@ -112,7 +118,7 @@ def attention_forward(
     acc = _accumulation_dtype(q.dtype)
     v_acc = v.to(acc).unsqueeze(2)
     for rows in _query_blocks(b, hq, sq, sk):
-        scores = _block_scores(q, k, attn_mask, scale, is_causal, rows, shape, hkv, acc)
+        scores = _block_scores(q, k, attn_mask, scale, is_causal, window_left, rows, shape, hkv, acc)
         row_max = scores.amax(dim=-1, keepdim=True) if sk > 0 else scores.new_full((*scores.shape[:-1], 1), float("-inf"))
         # Fully masked rows have max -inf: shift them by 0 so exp gives 0 instead of NaN.
         finite_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
@@ -123,6 +129,16 @@ def attention_forward(
         block_lse = (finite_max + torch.log(row_sum)).squeeze(-1)
         out[:, :, rows] = block_out.flatten(1, 2).to(out.dtype)
         lse[:, :, rows] = block_lse.flatten(1, 2).to(lse.dtype)
+    if empty_rows_mean and sk > 0:
+        fill_empty_rows(out, lse, v)
+
+
+def fill_empty_rows(out: Tensor, lse: Tensor, v: Tensor) -> None:
+    """Rows with lse = -inf get the mean of V over all keys (the op's empty_rows_mean policy)."""
+    group = out.shape[1] // v.shape[1]
+    mean_v = v.to(_accumulation_dtype(v.dtype)).mean(dim=2).repeat_interleave(group, dim=1)  # [B, Hq, D]
+    empty = torch.isneginf(lse).unsqueeze(-1)
+    out.copy_(torch.where(empty, mean_v.unsqueeze(2).to(out.dtype), out))
 
 
 def attention_backward(
@@ -136,6 +152,7 @@ def attention_backward(
     scale: float,
     is_causal: bool,
     compute_mask_grad: bool,
+    window_left: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
     """Gradients of out w.r.t. q, k, v (and the mask when asked), recomputing P from the LSE."""
     b, hq, sq, _ = q.shape
@@ -151,7 +168,7 @@ def attention_backward(
     # rowsum(dO * O): the softmax Jacobian's correction term.
     delta = (grad_out.to(acc) * out.to(acc)).sum(-1)
     for rows in _query_blocks(b, hq, sq, sk):
-        scores = _block_scores(q, k, attn_mask, scale, is_causal, rows, shape, hkv, acc)
+        scores = _block_scores(q, k, attn_mask, scale, is_causal, window_left, rows, shape, hkv, acc)
         block_lse = _group_view(lse[:, :, rows].unsqueeze(-1).to(acc), hkv)
         probs = torch.exp(scores - torch.where(torch.isfinite(block_lse), block_lse, torch.zeros_like(block_lse)))
         probs = torch.where(torch.isfinite(block_lse), probs, torch.zeros_like(probs))
@@ -184,9 +201,11 @@ def attention_reference(
     attn_mask: Optional[Tensor] = None,
     scale: Optional[float] = None,
     is_causal: bool = False,
+    window_left: int = -1,
+    empty_rows_mean: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) computed by the reference path, for tests and examples."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out, lse = empty_outputs(q, v)
-    attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse)
+    attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows_mean)
     return out, lse

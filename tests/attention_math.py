@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def dense_attention_f64(q, k, v, attn_mask=None, scale=None, is_causal=False):
-    """(out, lse) in float64; rows with no visible key give out = 0, lse = -inf."""
+def dense_attention_f64(q, k, v, attn_mask=None, scale=None, is_causal=False, window_left=-1, empty_rows_mean=False):
+    """(out, lse) in float64; rows with no visible key give lse = -inf and out = 0, or with
+    ``empty_rows_mean`` the mean of V over all keys."""
     q, k, v = (t.to(torch.float64) for t in (q, k, v))
     groups = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(groups, dim=1)
@@ -15,6 +16,8 @@ def dense_attention_f64(q, k, v, attn_mask=None, scale=None, is_causal=False):
     scores = q @ k.transpose(-1, -2) * scale
     if is_causal:
         visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        if window_left >= 0:
+            visible &= torch.ones_like(visible).triu(-window_left)
         scores = scores.masked_fill(~visible, float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -24,4 +27,7 @@ def dense_attention_f64(q, k, v, attn_mask=None, scale=None, is_causal=False):
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float64).min))
     probs = torch.nan_to_num(probs, nan=0.0)
-    return probs @ v, lse
+    out = probs @ v
+    if empty_rows_mean:
+        out = torch.where(torch.isneginf(lse).unsqueeze(-1), v.mean(dim=-2, keepdim=True), out)
+    return out, lse

@@ -58,7 +58,7 @@ class CaptureOpCalls(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         for node in graph.nodes:
             if node.op == "call_function" and node.target is FLASH_FWD:
-                _q, k, v, attn_mask, _scale, is_causal = node.args
+                _q, k, v, attn_mask, _scale, is_causal = node.args[:6]
                 heads = (k.meta["val"].shape[1], v.meta["val"].shape[1])
                 self.calls.append(OpCall(*heads, attn_mask is not None, bool(is_causal)))
 
@@ -184,7 +184,7 @@ def test_generate_under_the_cuda_rules_leaves_decode_steps_to_inductor(compile_o
     for line, so it cannot be slower than Inductor there; the tokens are eager's."""
     from torch._inductor.utils import run_and_get_code
 
-    monkeypatch.setattr(support, "_kernel_reason", lambda q, k, v, mask, is_causal: None)
+    monkeypatch.setattr(support, "_kernel_reason", lambda call: None)
     monkeypatch.setitem(support._DEVICE_RULES, "cpu", support._cuda_refusal)
     family = FAMILIES["llama"]
     prompt_len = 2 * support.DECODE_MAX_QUERY_ROWS  # a prefill long enough for the op

@@ -29,10 +29,10 @@ def _qkv(b, hq, hkv, sq, sk, d, dtype=torch.float32, requires_grad=False):
     return q, k, v
 
 
-def _assert_matches_f64(q, k, v, attn_mask=None, scale=None, is_causal=False):
+def _assert_matches_f64(q, k, v, attn_mask=None, scale=None, is_causal=False, window_left=-1, empty_rows_mean=False):
     scale_value = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out, lse = op(q, k, v, attn_mask, scale_value, is_causal)
-    ref_out, ref_lse = dense_attention_f64(q, k, v, attn_mask, scale_value, is_causal)
+    out, lse = op(q, k, v, attn_mask, scale_value, is_causal, window_left, empty_rows_mean)
+    ref_out, ref_lse = dense_attention_f64(q, k, v, attn_mask, scale_value, is_causal, window_left, empty_rows_mean)
     tol = TOLERANCE[q.dtype]
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert out.shape == q.shape and lse.shape == q.shape[:3]
@@ -55,6 +55,39 @@ def test_grouped_query_heads(hq, hkv):
 @pytest.mark.parametrize("sq,sk", [(17, 97), (97, 17), (1, 50)])
 def test_causal_with_different_lengths_is_top_left(sq, sk):
     _assert_matches_f64(*_qkv(2, 4, 2, sq, sk, 32), is_causal=True)
+
+
+@pytest.mark.parametrize("window_left", [0, 1, 5, 40])
+@pytest.mark.parametrize("sq,sk", [(33, 33), (17, 40), (40, 17)])
+def test_causal_sliding_window(sq, sk, window_left):
+    """Query i sees keys i - window_left ... i; rows past Sk + window_left see nothing (lse = -inf)."""
+    _assert_matches_f64(*_qkv(2, 4, 2, sq, sk, 32), is_causal=True, window_left=window_left)
+
+
+def test_mask_and_causal_both_apply():
+    q, k, v = _qkv(2, 4, 2, 37, 37, 16)
+    key_padding = torch.ones(2, 1, 1, 37, dtype=torch.bool)
+    key_padding[1, ..., 30:] = False
+    key_padding[0, ..., :3] = False  # left padding: rows 0-2 of batch 0 see no key
+    out, lse = _assert_matches_f64(q, k, v, key_padding, is_causal=True, window_left=9)
+    assert torch.isneginf(lse[0, :, :3]).all() and (out[0, :, :3] == 0).all()
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+def test_empty_rows_mean_averages_v_over_all_keys(mask_kind):
+    """What eager softmax gives when masked scores are finfo.min: a row with no visible key averages V."""
+    q, k, v = _qkv(2, 4, 2, 20, 24, 16)
+    visible = torch.ones(2, 1, 1, 24, dtype=torch.bool)
+    visible[0, ..., :5] = False
+    mask = visible if mask_kind == "bool" else torch.where(visible, 0.0, float("-inf"))
+    out, lse = _assert_matches_f64(q, k, v, mask, is_causal=True, empty_rows_mean=True)
+    assert torch.isneginf(lse[0, :, :5]).all()
+    expected = v.double().mean(-2).repeat_interleave(2, dim=1)[0].unsqueeze(1).expand(4, 5, 16)
+    torch.testing.assert_close(out[0, :, :5].double(), expected)
+    causal = torch.ones(20, 24, dtype=torch.bool).tril()
+    eager_bias = torch.where(visible & causal, 0.0, torch.finfo(torch.float32).min)
+    eager = torch.softmax(q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 4 + eager_bias, -1)
+    torch.testing.assert_close(out, eager @ v.repeat_interleave(2, 1), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -225,7 +258,8 @@ def test_opcheck(sample):
 
 def _bad(**overrides):
     args = dict(
-        q=torch.randn(2, 4, 8, 16), k=torch.randn(2, 2, 8, 16), v=torch.randn(2, 2, 8, 16), attn_mask=None, is_causal=False
+        q=torch.randn(2, 4, 8, 16), k=torch.randn(2, 2, 8, 16), v=torch.randn(2, 2, 8, 16), attn_mask=None, is_causal=False,
+        window_left=-1,
     )
     args.update(overrides)
     return args
@@ -246,13 +280,26 @@ def _bad(**overrides):
         (dict(attn_mask=torch.ones(3, 1, 8, 8, dtype=torch.bool)), "does not broadcast"),
         (dict(attn_mask=torch.ones(1, 2, 4, 8, 8, dtype=torch.bool)), "does not broadcast"),
         (dict(attn_mask=torch.ones(8, 8, dtype=torch.int64)), "must be bool"),
-        (dict(attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=True), "not both"),
+        (dict(window_left=3), "window_left must be -1 or, with is_causal=True"),
+        (dict(window_left=-2, is_causal=True), "window_left must be -1 or, with is_causal=True"),
     ],
 )
 def test_bad_input_names_the_problem(overrides, message):
     args = _bad(**overrides)
     with pytest.raises(ValueError, match=message):
-        op(args["q"], args["k"], args["v"], args["attn_mask"], 0.25, args["is_causal"])
+        op(args["q"], args["k"], args["v"], args["attn_mask"], 0.25, args["is_causal"], args["window_left"])
+
+
+@pytest.mark.parametrize("q", [None, [1.0, 2.0]], ids=["none", "list"])
+def test_non_tensor_q_is_a_value_error(q):
+    with pytest.raises(ValueError, match="q must be a tensor"):
+        fa2_inductor.flash_attention(q, torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))
+
+
+def test_head_dim_zero_is_a_value_error():
+    x = torch.randn(1, 1, 4, 0)
+    with pytest.raises(ValueError, match="head_dim is 0"):
+        fa2_inductor.flash_attention(x, x, x)
 
 
 def test_integer_inputs_are_refused():

@@ -131,7 +131,7 @@ def test_inductor_fuse_attention_bug_guarded(cpu_pass):
 @pytest.fixture
 def cuda_rules(cpu_pass, monkeypatch):
     """CPU sites judged by the CUDA rules, with a kernel that takes every call (what a Hopper GPU decides)."""
-    monkeypatch.setattr(support, "_kernel_reason", lambda q, k, v, mask, is_causal: None)
+    monkeypatch.setattr(support, "_kernel_reason", lambda call: None)
     monkeypatch.setitem(support._DEVICE_RULES, "cpu", support._cuda_refusal)
 
 
@@ -185,10 +185,10 @@ def test_decode_steps_still_rewritten_on_cpu(cpu_pass, fn):
 def cuda_training_rules(cpu_pass, monkeypatch):
     """CPU sites judged as on a Hopper GPU: the forward kernel takes every call, and the backward goes to
     PyTorch's flash backward except with a mask (the rule of ``_cuda.backward_unsupported_reason``)."""
-    monkeypatch.setattr(support, "_kernel_reason", lambda q, k, v, mask, is_causal: None)
+    monkeypatch.setattr(support, "_kernel_reason", lambda call: None)
     monkeypatch.setitem(support._DEVICE_RULES, "cpu", support._cuda_refusal)
     monkeypatch.setattr(support._cuda, "backward_unsupported_reason",
-                        lambda q, k, v, mask, is_causal: "attn_mask" if mask is not None else None)
+                        lambda q, k, v, mask, is_causal, window_left=-1: "attn_mask" if mask is not None else None)
     monkeypatch.setitem(support._BACKWARD_RULES, "cpu", support._cuda_backward_refusal)
 
 

@@ -49,6 +49,7 @@ MaskPlan plan_mask(const FwdParams& p) {
   if (auto* base = static_cast<char*>(p.mask_workspace)) {
     mk.block_class = reinterpret_cast<uint8_t*>(base + ws.class_offset);
     mk.visit = reinterpret_cast<int32_t*>(base + ws.visit_offset);
+    mk.above = reinterpret_cast<int32_t*>(base + ws.above_offset);
     mk.bits = T::kMask == MaskKind::kBool ? reinterpret_cast<uint32_t*>(base + ws.bits_offset) : nullptr;
   }
   return {mk, ws};
@@ -92,6 +93,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
       p.seqlen_q,
       p.seqlen_k,
       p.heads_q / p.heads_kv,
+      T::kCausal ? p.window_left : -1,
       p.scale,
       {},  // mask: filled below for the masked kernels
   };
@@ -103,7 +105,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
     if (p.seqlen_k == 0 || p.mask_workspace == nullptr || p.mask == nullptr) return cudaErrorInvalidValue;
     args.mask = plan_mask<T>(p).args;
     const MaskArgs& mk = args.mask;
-    if (mk.class_m_blocks > 65535 || mk.class_batches * mk.class_heads > 65535) {
+    if (mk.class_m_blocks > kMaxGridDim || mk.class_batches * mk.class_heads > kMaxGridDim) {
       return cudaErrorInvalidConfiguration;
     }
     dim3 class_grid(mk.num_n_blocks, mk.class_m_blocks, mk.class_batches * mk.class_heads);
@@ -140,9 +142,9 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
   return launch_fwd<KernelTraits<HeadDim, Dt, Causal>>(params, stream);
 }
 
-template <int HeadDim, DType Dt, MaskKind Kind>
+template <int HeadDim, DType Dt, MaskKind Kind, bool Causal>
 cudaError_t run_fwd_masked(const FwdParams& params, cudaStream_t stream) {
-  return launch_fwd<KernelTraits<HeadDim, Dt, false, Kind>>(params, stream);
+  return launch_fwd<KernelTraits<HeadDim, Dt, Causal, Kind>>(params, stream);
 }
 
 template <int HeadDim, DType Dt, MaskKind Kind>
@@ -152,10 +154,11 @@ int64_t masked_workspace_bytes(const FwdParams& params) {
 
 }  // namespace fa2
 
-// One explicit instantiation per compile unit in csrc/instantiations/.
+// One explicit instantiation per generated compile unit (csrc/kernel_table.py).
 #define FA2_INSTANTIATE_FWD(HDIM, DT, CAUSAL) \
   template cudaError_t fa2::run_fwd<HDIM, fa2::DType::DT, CAUSAL>(const fa2::FwdParams&, cudaStream_t);
-#define FA2_INSTANTIATE_FWD_MASKED(HDIM, DT, KIND)                                                              \
-  template cudaError_t fa2::run_fwd_masked<HDIM, fa2::DType::DT, fa2::MaskKind::KIND>(const fa2::FwdParams&,    \
-                                                                                       cudaStream_t);          \
+#define FA2_INSTANTIATE_FWD_MASKED(HDIM, DT, KIND, CAUSAL)                                                  \
+  template cudaError_t fa2::run_fwd_masked<HDIM, fa2::DType::DT, fa2::MaskKind::KIND, CAUSAL>(              \
+      const fa2::FwdParams&, cudaStream_t);
+#define FA2_INSTANTIATE_MASK_WORKSPACE(HDIM, DT, KIND) \
   template int64_t fa2::masked_workspace_bytes<HDIM, fa2::DType::DT, fa2::MaskKind::KIND>(const fa2::FwdParams&);

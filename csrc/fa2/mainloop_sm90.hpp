@@ -40,11 +40,12 @@ struct KernelTraits {
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = Causal_;
   static constexpr MaskKind kMask = Mask_;
-  static_assert(!(kCausal && kMask != MaskKind::kNone), "a mask tensor and causal are exclusive (as in SDPA)");
   using MaskArgsT = typename MaskArgsFor<Mask_>::type;
   static constexpr bool kPingPong = Config::kPingPong;
   static_assert(kHeadDim % 64 == 0, "head dim must fill 128-byte swizzle rows");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0);
+  static_assert(kMask == MaskKind::kNone || kBlockM == kMaskBlockM, "the binding sizes mask grids by kMaskBlockM");
+  static_assert(kHeadDim <= kMaxHeadDim);
 
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
@@ -125,32 +126,28 @@ struct KernelArgs {
   float* lse;
   int64_t lse_batch_stride, lse_head_stride;
   int seqlen_q, seqlen_k, head_ratio;  // head_ratio = Hq / Hkv
+  int window_left;                     // causal kernels: keys before i - window_left hidden (-1: none)
   float scale;
   typename Traits::MaskArgsT mask;  // empty for MaskKind::kNone
 };
 
-// Number of key blocks the query tile starting at m0 must visit.
-template <class Traits>
-CUTE_DEVICE int num_key_blocks(int m0, int seqlen_k) {
-  int visible = seqlen_k;
-  if constexpr (Traits::kCausal) visible = min(seqlen_k, m0 + Traits::kBlockM);
-  return (visible + Traits::kBlockN - 1) / Traits::kBlockN;
-}
-
 // The key blocks one CTA visits, highest first, as entries block * 2 + partial. Unmasked: every
-// block up to the sequence end (causal: up to the diagonal), none partial (tails and the causal
-// diagonal are found from the block index). Masked: the pre-pass's list, which leaves out the fully
-// masked blocks; producer and consumers walk the same list.
+// block position masking leaves visible (causal: up to the diagonal, from the window's start), none
+// partial (tails, the diagonal and the window's edge are found from the block index). Masked: the
+// pre-pass's list, which leaves out the fully masked blocks, cut to the same position range (the list
+// is sorted by block, highest first; the pre-pass's `above` counts say where to cut); producer and
+// consumers walk it alike.
 template <class Traits>
 struct KeyBlocks {
   const int32_t* entries = nullptr;  // masked kernels only
+  int first = 0;  // kNone: the highest block; masked: the index of the first list entry visited
   int count = 0;
 
   CUTE_DEVICE int entry(int i) const {
     if constexpr (Traits::kMask == MaskKind::kNone) {
-      return (count - 1 - i) * 2;
+      return (first - i) * 2;
     } else {
-      return entries[i];
+      return entries[first + i];
     }
   }
   CUTE_DEVICE static int block(int entry) { return entry >> 1; }
@@ -159,15 +156,29 @@ struct KeyBlocks {
 
 template <class Traits>
 CUTE_DEVICE KeyBlocks<Traits> key_blocks(const KernelArgs<Traits>& args, int m_block, int head, int batch) {
-  KeyBlocks<Traits> blocks;
-  if constexpr (Traits::kMask == MaskKind::kNone) {
-    blocks.count = num_key_blocks<Traits>(m_block * Traits::kBlockM, args.seqlen_k);
+  using T = Traits;
+  KeyBlocks<T> blocks;
+  int first_block, last_block;
+  visible_key_block_range<T::kCausal, T::kBlockM, T::kBlockN>(m_block * T::kBlockM, args.seqlen_k, args.window_left,
+                                                              first_block, last_block);
+  if constexpr (T::kMask == MaskKind::kNone) {
+    blocks.first = last_block;
+    blocks.count = max(0, last_block - first_block + 1);
   } else {
     const MaskArgs& mk = args.mask;
     const int64_t row = mk.class_slice(batch, head) * mk.class_m_blocks + (mk.row_broadcast ? 0 : m_block);
     const int32_t* list = mk.visit + row * (mk.num_n_blocks + 1);
-    blocks.count = list[0];
     blocks.entries = list + 1;
+    const int size = list[0];
+    if constexpr (T::kCausal) {
+      if (first_block <= last_block) {  // both inside [0, num_n_blocks)
+        const int32_t* above = mk.above + row * mk.num_n_blocks;
+        blocks.first = above[last_block];
+        blocks.count = (first_block > 0 ? above[first_block - 1] : size) - blocks.first;
+      }
+    } else {
+      blocks.count = size;
+    }
   }
   return blocks;
 }
@@ -188,32 +199,26 @@ CUTE_DEVICE void load_mask_bits(const KernelArgs<Traits>& args, MaskBits& bits, 
   }
 }
 
-// Masks the S tile of key block `entry` in place. kNone: sequence tail / causal as before. Masked:
-// kAdditive first scales S (the softmax then works on scaled scores), partial blocks apply the
-// user's mask (bool: the bits load_mask_bits fetched), and the sequence tail is masked on top.
+// Masks the S tile of key block `entry` in place. kAdditive first scales S (the softmax then works
+// on scaled scores); masked kernels apply the user's mask to the blocks the pre-pass found partial
+// (bool: the bits load_mask_bits fetched); position masking (tail, causal, window) comes on top.
 template <class Traits, class TensorS, class TensorC, class MaskBits>
 CUTE_DEVICE void mask_scores(const KernelArgs<Traits>& args, TensorS& s_rc, const TensorC& c_rc, int entry,
                              const MaskBits& bits, int m0, int head, int batch) {
   using T = Traits;
   using Blocks = KeyBlocks<T>;
   const int n = Blocks::block(entry);
-  if constexpr (T::kMask == MaskKind::kNone) {
-    if (block_needs_mask<T::kCausal, T::kBlockN>(n, m0, args.seqlen_k)) {
-      apply_mask<T::kCausal>(s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k);
+  if constexpr (T::kMask == MaskKind::kAdditive) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(s_rc); ++i) s_rc(i) *= args.scale;
+    if (Blocks::partial(entry)) {
+      apply_additive_mask(s_rc, c_rc, args.mask, batch, head, m0, n * T::kBlockN, args.seqlen_q, args.seqlen_k);
     }
-  } else {
-    if constexpr (T::kMask == MaskKind::kAdditive) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(s_rc); ++i) s_rc(i) *= args.scale;
-      if (Blocks::partial(entry)) {
-        apply_additive_mask(s_rc, c_rc, args.mask, batch, head, m0, n * T::kBlockN, args.seqlen_q, args.seqlen_k);
-      }
-    } else {
-      if (Blocks::partial(entry)) bits.apply(s_rc, c_rc);
-    }
-    if (block_needs_mask<false, T::kBlockN>(n, m0, args.seqlen_k)) {
-      apply_mask<false>(s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k);
-    }
+  } else if constexpr (T::kMask == MaskKind::kBool) {
+    if (Blocks::partial(entry)) bits.apply(s_rc, c_rc);
+  }
+  if (block_needs_mask<T::kCausal, T::kBlockM, T::kBlockN>(n, m0, args.seqlen_k, args.window_left)) {
+    apply_mask<T::kCausal>(s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k, args.window_left);
   }
 }
 

@@ -11,28 +11,44 @@ namespace fa2 {
 
 using namespace cute;
 
-// s_rc / coord_rc: the thread's S fragment and the matching (row, col) coordinates inside the
-// tile, both in (rows, cols) view.  Keys at or past seqlen_k, and with Causal keys past the
-// query index, become -inf.
+// Position masking of one S tile: keys at or past seqlen_k; with Causal, keys past the query index
+// (top-left: query i sees keys j <= i) and, when window_left >= 0, keys before i - window_left (a
+// sliding window of window_left + 1 keys ending at the diagonal). Masked entries become -inf.
+// s_rc / coord_rc: the thread's S fragment and the matching (row, col) coordinates inside the tile,
+// both in (rows, cols) view.
 template <bool Causal, class TensorS, class TensorC>
-CUTE_DEVICE void apply_mask(TensorS& s_rc, const TensorC& coord_rc, int m0, int n0, int seqlen_k) {
+CUTE_DEVICE void apply_mask(TensorS& s_rc, const TensorC& coord_rc, int m0, int n0, int seqlen_k, int window_left) {
   CUTE_UNROLL
   for (int r = 0; r < size<0>(s_rc); ++r) {
     const int row = m0 + get<0>(coord_rc(r, 0));
     const int col_limit = Causal ? min(seqlen_k, row + 1) : seqlen_k;
+    const int col_first = Causal && window_left >= 0 ? row - window_left : 0;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s_rc); ++c) {
-      if (n0 + get<1>(coord_rc(r, c)) >= col_limit) s_rc(r, c) = -INFINITY;
+      const int col = n0 + get<1>(coord_rc(r, c));
+      if (col >= col_limit || col < col_first) s_rc(r, c) = -INFINITY;
     }
   }
 }
 
-// True when block n_block of keys holds a tail or (with Causal) a key past some query row
-// of the tile starting at m0.
-template <bool Causal, int kBlockN>
-CUTE_DEVICE bool block_needs_mask(int n_block, int m0, int seqlen_k) {
-  const int n_end = (n_block + 1) * kBlockN;
-  return n_end > seqlen_k || (Causal && n_end - 1 > m0);
+// True when key block n_block holds, for some query row of the tile starting at m0, a key that
+// apply_mask hides: the sequence tail, (Causal) a key past the diagonal or before the window.
+template <bool Causal, int kBlockM, int kBlockN>
+CUTE_DEVICE bool block_needs_mask(int n_block, int m0, int seqlen_k, int window_left) {
+  const int n0 = n_block * kBlockN, n_end = n0 + kBlockN;
+  if (n_end > seqlen_k) return true;
+  if (!Causal) return false;
+  return n_end - 1 > m0 || (window_left >= 0 && n0 < m0 + kBlockM - 1 - window_left);
+}
+
+// The key blocks [first, last] a query tile starting at m0 can see through position masking alone
+// (last < first: none).
+template <bool Causal, int kBlockM, int kBlockN>
+CUTE_DEVICE void visible_key_block_range(int m0, int seqlen_k, int window_left, int& first, int& last) {
+  int end = seqlen_k;
+  if (Causal) end = min(seqlen_k, m0 + kBlockM);
+  last = (end + kBlockN - 1) / kBlockN - 1;
+  first = Causal && window_left >= 0 ? max(0, m0 - window_left) / kBlockN : 0;
 }
 
 // The user's attention mask as the masked kernels see it (KernelArgs::mask), and where the
@@ -47,6 +63,7 @@ struct MaskArgs {
   int class_batches, class_heads, class_m_blocks, num_n_blocks;
   uint8_t* block_class;  // [CB, CH, CM, N]: 0 fully masked, 1 fully visible, 2 partial
   int32_t* visit;        // [CB, CH, CM, N + 1]: count, then block * 2 + partial, highest block first
+  int32_t* above;        // [CB, CH, CM, N]: how many visit entries have a block above n (causal cuts)
   uint32_t* bits;        // bool masks: [CB, CH, bit_rows, N * kBlockN / 32], bit set = attend
   int bit_rows;          // row_broadcast ? 1 : CM * kBlockM; rows past seqlen_q, keys past seqlen_k: 0
 

@@ -5,8 +5,10 @@
 //     also write the block's bits (one per entry) so partial blocks never read the mask itself.
 //     Additive: visible = exactly 0, masked = -inf (anything else, NaN included, is partial).
 //  2. list_visited_blocks: one warp per class row turns its classes into the list the main kernel
-//     walks: the count, then every block that is not fully masked, highest first.
-// The three outputs live in one workspace the caller allocates (MaskWorkspace gives its size).
+//     walks: the count, then every block that is not fully masked, highest first; and for every
+//     block n, how many listed blocks lie above it (causal kernels cut the list to their tile's
+//     diagonal and window with two reads).
+// The outputs live in one workspace the caller allocates (MaskWorkspace gives its size).
 #pragma once
 
 #include <cmath>
@@ -24,7 +26,7 @@ constexpr int kListWarps = 4;  // class rows per CTA of list_visited_blocks
 
 // Byte offsets of the pre-pass outputs inside the workspace.
 struct MaskWorkspace {
-  int64_t class_offset = 0, visit_offset = 0, bits_offset = 0, total_bytes = 0;
+  int64_t class_offset = 0, visit_offset = 0, above_offset = 0, bits_offset = 0, total_bytes = 0;
 
   template <int kBlockM, int kBlockN, MaskKind Kind>
   static MaskWorkspace plan(int64_t class_slices, int64_t class_m_blocks, int64_t num_n_blocks, int64_t bit_rows) {
@@ -32,7 +34,8 @@ struct MaskWorkspace {
     const int64_t class_rows = class_slices * class_m_blocks;
     MaskWorkspace w;
     w.visit_offset = aligned(class_rows * num_n_blocks);
-    w.bits_offset = w.visit_offset + aligned(class_rows * (num_n_blocks + 1) * int64_t(sizeof(int32_t)));
+    w.above_offset = w.visit_offset + aligned(class_rows * (num_n_blocks + 1) * int64_t(sizeof(int32_t)));
+    w.bits_offset = w.above_offset + aligned(class_rows * num_n_blocks * int64_t(sizeof(int32_t)));
     const int64_t bits_bytes = Kind == MaskKind::kBool ? class_slices * bit_rows * num_n_blocks * (kBlockN / 8) : 0;
     w.total_bytes = w.bits_offset + bits_bytes;
     return w;
@@ -147,12 +150,15 @@ __global__ void __launch_bounds__(32 * kWarps) list_visited_blocks(const MaskArg
   const int num_n = mk.num_n_blocks;
   const uint8_t* classes = mk.block_class + row * num_n;
   int32_t* list = mk.visit + row * (num_n + 1);
+  int32_t* above = mk.above + row * num_n;
   int count = 0;
   for (int top = num_n - 1; top >= 0; top -= 32) {
     const int n = top - lane;
     const int cls = n >= 0 ? classes[n] : 0;
     const uint32_t visited = __ballot_sync(0xffffffffu, cls != 0);
-    if (cls != 0) list[1 + count + __popc(visited & ((1u << lane) - 1u))] = n * 2 + (cls == 2 ? 1 : 0);
+    const int position = count + __popc(visited & ((1u << lane) - 1u));
+    if (n >= 0) above[n] = position;
+    if (cls != 0) list[1 + position] = n * 2 + (cls == 2 ? 1 : 0);
     count += __popc(visited);
   }
   if (lane == 0) list[0] = count;

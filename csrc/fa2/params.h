@@ -8,6 +8,12 @@ namespace fa2 {
 
 enum class DType : int { kBF16 = 0, kFP16 = 1 };
 
+// Limits every kernel shares; the binding reports them to Python (fa2_inductor._C.limits()).
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxGridDim = 65535;       // batch, heads, query tiles and mask class slices per launch
+constexpr int kStrideAlignElements = 8;  // TMA: strides of 16 bytes' multiples (16-bit elements)
+constexpr int kMaskBlockM = 128;         // query rows per tile of every masked kernel
+
 // Attention mask policy of a kernel instantiation (compile time). kNone: no mask tensor (the
 // original kernels). kBool: True = attend, read as bytes. kAdditive: added to the scaled scores
 // (float32 / bf16 / fp16, chosen at run time by FwdParams::mask_dtype).
@@ -34,6 +40,7 @@ struct FwdParams {
 
   float scale = 1.0f;  // softmax scale applied to Q.K^T
   bool causal = false; // top-left aligned: query i sees keys j <= i
+  int window_left = -1; // with causal: query i also sees no key before i - window_left (-1: no window)
 
   // Attention mask (masked instantiations only), seen as [B, Hq, Sq, Sk] through its strides
   // (0 on broadcast dims). mask_workspace: masked_workspace_bytes(params) bytes of device memory,
@@ -44,17 +51,31 @@ struct FwdParams {
   void* mask_workspace = nullptr;
 };
 
-// One definition per compiled (head dim, dtype, causal) lives in csrc/instantiations/.
+// The instantiations are generated at build time from csrc/kernel_table.py.
 template <int HeadDim, DType Dt, bool Causal>
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream);
 
-// Masked (non-causal) forward: classification pre-pass, then the main kernel. One definition per
-// (head dim, dtype, mask kind) in csrc/instantiations/fwd_hdim{D}_{dtype}_mask{bool,add}.cu.
-template <int HeadDim, DType Dt, MaskKind Kind>
+// Masked forward (with Causal: the mask and the causal/window positions both apply): classification
+// pre-pass, then the main kernel.
+template <int HeadDim, DType Dt, MaskKind Kind, bool Causal>
 cudaError_t run_fwd_masked(const FwdParams& params, cudaStream_t stream);
 
 // Device workspace the masked forward needs for these params (sizes and mask strides set).
 template <int HeadDim, DType Dt, MaskKind Kind>
 int64_t masked_workspace_bytes(const FwdParams& params);
+
+// Rows left empty (LSE = -inf) get the mean of V over all keys: the op's empty_rows_mean policy.
+struct EmptyRowsParams {
+  void* o = nullptr;
+  const float* lse = nullptr;
+  const void* v = nullptr;
+  int batch = 0, heads_q = 0, heads_kv = 0, seqlen_q = 0, seqlen_k = 0, head_dim = 0;
+  int64_t o_batch_stride = 0, o_head_stride = 0, o_row_stride = 0;
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;
+  int64_t v_batch_stride = 0, v_head_stride = 0, v_row_stride = 0;
+};
+
+template <DType Dt>
+cudaError_t run_fill_empty_rows(const EmptyRowsParams& params, cudaStream_t stream);
 
 }  // namespace fa2

@@ -18,7 +18,7 @@ from . import report
 from .fx_utils import forward_users, is_backward_node
 from .match_sdpa import is_sdpa, match_sdpa
 from .match_softmax import attention_shaped, match_softmax_attention, softmax_at
-from .causal_mask import mask_pattern
+from . import mask_structure
 from .rewrite import BackwardRegion, backward_region, forward_region, rewrite_site
 from .site import BSHD, AttentionSite
 from .softmax_dim_guard import move_softmax_to_last_dim
@@ -45,16 +45,17 @@ def _sequence_lengths(site: AttentionSite) -> tuple:
 
 
 def _simplify_mask(site: AttentionSite) -> None:
-    """A mask proven causal becomes is_causal=True (the kernel skips tiles); one hiding nothing goes."""
+    """A mask whose construction is proven becomes structure: causal/window positions as op arguments,
+    the remaining (data) terms as a bool mask (see mask_structure)."""
     if site.mask is None or site.is_causal or site.extra_masks:
         return
-    proven = mask_pattern(site.mask, site.mask_negated, *_sequence_lengths(site))
-    if proven == "causal":
-        site.is_causal, site.mask = True, None
-        site.notes.append("mask proven causal")
-    elif proven == "all":
-        site.mask = None
-        site.notes.append("mask proven all-visible")
+    structure = mask_structure.analyse(site.mask, site.mask_negated, *_sequence_lengths(site))
+    if structure is None:
+        return
+    site.mask, site.mask_negated, site.mask_terms = None, False, structure.terms
+    site.is_causal, site.window_left = structure.is_causal, structure.window_left
+    site.empty_rows_mean = structure.empty_rows_mean
+    site.notes.extend(structure.notes)
 
 
 def _decide(site: AttentionSite) -> Optional[BackwardRegion]:

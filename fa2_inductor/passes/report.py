@@ -8,6 +8,7 @@ from typing import Iterator, Optional
 
 from torch._dynamo.utils import counters
 
+from .rewrite import mask_value_in_op_layout
 from .site import AttentionSite
 
 COUNTER_GROUP = "fa2_inductor"
@@ -40,12 +41,26 @@ def collecting() -> Iterator[list[SiteRecord]]:
         _collectors.remove(records)
 
 
+def rewrite_form(site: AttentionSite) -> str:
+    """Which kernel form the site runs, e.g. "is_causal", "is_causal+window+key_mask", "mask", "no_mask".
+
+    A mask costs a pre-pass and a read of its partial blocks: "key_mask" is one row per batch (or head),
+    shared by every query (key padding: cheap), "mask" one with rows of its own."""
+    parts = []
+    if site.is_causal:
+        parts.append("is_causal")
+    if site.window_left >= 0:
+        parts.append("window")
+    if site.has_mask():
+        mask = mask_value_in_op_layout(site)
+        parts.append("key_mask" if mask.dim() >= 2 and mask.shape[-2] == 1 else "mask")
+    return "+".join(parts) or "no_mask"
+
+
 def record(site: AttentionSite, graph_kind: str) -> None:
     if site.refusal is None:
         counters[COUNTER_GROUP]["rewrites"] += 1
-        # Which kernel the site will run: the masked one costs a pre-pass and reads the mask.
-        form = "is_causal" if site.is_causal else ("mask" if site.mask is not None else "no_mask")
-        counters[COUNTER_GROUP]["rewrites:" + form] += 1
+        counters[COUNTER_GROUP]["rewrites:" + rewrite_form(site)] += 1
     else:
         counters[COUNTER_GROUP]["refused:" + site.refusal] += 1
     for records in _collectors:

@@ -47,11 +47,18 @@ def value_in_op_layout(value: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def mask_value_in_op_layout(site: AttentionSite) -> Optional[torch.Tensor]:
-    if site.mask is None or site.is_causal:
+    """The (fake) mask the op would receive: what ``_mask_in_op_layout`` builds, as a value."""
+    if site.mask_terms:
+        mask = None
+        for node, negated in site.mask_terms:
+            term = ~tensor_val(node) if negated else tensor_val(node)
+            mask = term if mask is None else mask & term
+    elif site.mask is not None:
+        mask = tensor_val(site.mask)
+        for extra in site.extra_masks:
+            mask = mask + tensor_val(extra)
+    else:
         return None
-    mask = tensor_val(site.mask)
-    for extra in site.extra_masks:
-        mask = mask + tensor_val(extra)
     return mask.unsqueeze(1) if site.layouts["q"] == FLAT and mask.dim() == 3 else mask
 
 
@@ -183,7 +190,7 @@ def rewrite_site(site: AttentionSite, backward: Optional[BackwardRegion]) -> Non
         v = to_op_layout(graph, site.v, site.layouts["v"])
         mask = _mask_in_op_layout(graph, site)
         fwd = insert_call(graph, torch.ops.fa2_inductor.flash_attention_fwd.default,
-                          (q, k, v, mask, site.scale, site.is_causal))
+                          (q, k, v, mask, site.scale, site.is_causal, site.window_left, site.empty_rows_mean))
         out = insert_call(graph, operator.getitem, (fwd, 0))
         lse = insert_call(graph, operator.getitem, (fwd, 1))
         result = from_op_layout(graph, out, site.layouts["out"])
@@ -195,13 +202,19 @@ def rewrite_site(site: AttentionSite, backward: Optional[BackwardRegion]) -> Non
 
 
 def _mask_in_op_layout(graph: fx.Graph, site: AttentionSite) -> Optional[fx.Node]:
-    if site.mask is None or site.is_causal:
+    if site.mask_terms:
+        mask = None
+        for node, negated in site.mask_terms:
+            term = insert_call(graph, aten.logical_not.default, (node,)) if negated else node
+            mask = term if mask is None else insert_call(graph, aten.logical_and.default, (mask, term))
+    elif site.mask is not None:
+        mask = site.mask
+        for extra in site.extra_masks:
+            mask = insert_call(graph, aten.add.Tensor, (mask, extra))
+        if site.mask_negated:
+            mask = insert_call(graph, aten.logical_not.default, (mask,))
+    else:
         return None
-    mask = site.mask
-    for extra in site.extra_masks:
-        mask = insert_call(graph, aten.add.Tensor, (mask, extra))
-    if site.mask_negated:
-        mask = insert_call(graph, aten.logical_not.default, (mask,))
     if site.layouts["q"] == FLAT and tensor_val(mask).dim() == 3:
         mask = insert_call(graph, aten.unsqueeze.default, (mask, 1))
     return mask
@@ -216,7 +229,7 @@ def _rewrite_backward(site: AttentionSite, backward: BackwardRegion, saved: tupl
     with graph.inserting_before(start.next):
         grad_out = to_op_layout(graph, backward.grad_out, site.layouts["out"])
         bwd = insert_call(graph, torch.ops.fa2_inductor.flash_attention_bwd.default,
-                          (grad_out, q, k, v, out, lse, mask, site.scale, site.is_causal, False))
+                          (grad_out, q, k, v, out, lse, mask, site.scale, site.is_causal, False, site.window_left))
         grads = {name: insert_call(graph, operator.getitem, (bwd, i)) for i, name in enumerate("qkv")}
         grads = {name: from_op_layout(graph, g, site.layouts[name]) for name, g in grads.items()}
         for factor, divide in site.symbolic_scale:  # q was scaled before the op: chain rule

@@ -28,7 +28,10 @@ class AttentionSite:
     mask: Optional[fx.Node] = None
     mask_negated: bool = False  # the graph's mask marks the blocked positions
     extra_masks: list = field(default_factory=list)  # more additive masks, summed into ``mask``
+    mask_terms: list = field(default_factory=list)  # (bool node, negated): the op's mask is their AND (``mask`` None)
     is_causal: bool = False
+    window_left: int = -1  # with is_causal: keys before i - window_left hidden
+    empty_rows_mean: bool = False  # rows with no visible key average V (a finite fill's result)
     n_rep: int = 1  # K/V heads repeated in the graph and mapped back to native GQA
     forward_nodes: set = field(default_factory=set)  # the nodes the rewrite makes dead
     notes: list = field(default_factory=list)  # what the matcher recognised, for the report
@@ -45,7 +48,12 @@ class AttentionSite:
         if self.n_rep > 1:
             parts.append(f"GQA x{self.n_rep} -> native")
         if self.is_causal:
-            parts.append("is_causal")
-        elif self.mask is not None:
+            parts.append("is_causal" + (f" window {self.window_left + 1}" if self.window_left >= 0 else ""))
+        if self.mask is not None or self.mask_terms:
             parts.append("mask")
+        if self.empty_rows_mean:
+            parts.append("empty rows average V")
         return ", ".join(parts)
+
+    def has_mask(self) -> bool:
+        return self.mask is not None or bool(self.mask_terms)

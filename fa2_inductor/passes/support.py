@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -12,7 +13,9 @@ from .fx_utils import same_shape, tensor_val
 from .rewrite import mask_value_in_op_layout, value_in_op_layout
 from .site import AttentionSite
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Dtypes the pass hands to the op on any device (float64 is the CPU reference's, for gradcheck only);
+# whether the kernel runs a dtype is the device rule's question.
+_OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Decode steps stay with Inductor on CUDA: 128 query rows per CTA and no split-KV idle >= 87% of each tile at Sq <= 16.
 DECODE_MAX_QUERY_ROWS = 16
 
@@ -35,26 +38,38 @@ def _with_size_hints(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device)
 
 
-def _kernel_reason(q, k, v, mask, is_causal) -> Optional[str]:
-    q, k, v, mask = (_with_size_hints(t) for t in (q, k, v, mask))
-    return _cuda.kernel_unsupported_reason(q, k, v, mask, is_causal)
+@dataclass(frozen=True)
+class OpCall:
+    """The op call a rewrite would make: its tensors (fake, in the op's layout) and position arguments."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: Optional[torch.Tensor]
+    is_causal: bool
+    window_left: int = -1
 
 
-def _cpu_refusal(q, k, v, mask, is_causal) -> Optional[tuple[str, str]]:
+def _kernel_reason(call: OpCall) -> Optional[str]:
+    q, k, v, mask = (_with_size_hints(t) for t in (call.q, call.k, call.v, call.mask))
+    return _cuda.kernel_unsupported_reason(q, k, v, mask, call.is_causal, call.window_left)
+
+
+def _cpu_refusal(call: OpCall) -> Optional[tuple[str, str]]:
     """CPU graphs run the op's reference: only where the user asked for it (tests, demos)."""
     return None if config.rewrite_on_cpu else ("cpu_device", "set fa2_inductor.config.rewrite_on_cpu")
 
 
-def _cuda_refusal(q, k, v, mask, is_causal) -> Optional[tuple[str, str]]:
+def _cuda_refusal(call: OpCall) -> Optional[tuple[str, str]]:
     """CUDA graphs: the kernel must run the call, and be at least as fast as Inductor there.
 
     A symbolic Sq is judged by its example value, so a graph traced at prefill length and later run with
     a few query rows keeps the op (correct, only not the fastest); Dynamo gives Sq = 1 a graph of its own.
     """
-    reason = _kernel_reason(q, k, v, mask, is_causal)
+    reason = _kernel_reason(call)
     if reason is not None:
         return "kernel_unsupported", reason
-    seq_q = _hint(q.shape[-2])
+    seq_q = _hint(call.q.shape[-2])
     if seq_q <= DECODE_MAX_QUERY_ROWS:
         return "decode_step", (f"Sq={seq_q} query rows: the kernel's 128-row tile and no split-KV make it "
                                "slower than Inductor here")
@@ -65,10 +80,10 @@ def _cuda_refusal(q, k, v, mask, is_causal) -> Optional[tuple[str, str]]:
 _DEVICE_RULES = {"cpu": _cpu_refusal, "cuda": _cuda_refusal}
 
 
-def _cuda_backward_refusal(q, k, v, mask, is_causal) -> Optional[tuple[str, str]]:
+def _cuda_backward_refusal(call: OpCall) -> Optional[tuple[str, str]]:
     """Training graphs on CUDA: the op's backward must run PyTorch's flash backward too; its other path,
     the reference, would make the training step slower than Inductor's own attention backward."""
-    reason = _cuda.backward_unsupported_reason(q, k, v, mask, is_causal)
+    reason = _cuda.backward_unsupported_reason(call.q, call.k, call.v, call.mask, call.is_causal, call.window_left)
     return None if reason is None else ("backward_unsupported", reason)
 
 
@@ -76,28 +91,29 @@ def _cuda_backward_refusal(q, k, v, mask, is_causal) -> Optional[tuple[str, str]
 _BACKWARD_RULES = {"cuda": _cuda_backward_refusal}
 
 
-def _op_inputs(site: AttentionSite):
-    """q, k, v and the mask as the op would receive them (fake tensors)."""
+def _op_call(site: AttentionSite) -> OpCall:
+    """The call the op would receive for this site (fake tensors)."""
     q, k, v = (value_in_op_layout(tensor_val(n), site.layouts[name]) for name, n in zip("qkv", (site.q, site.k, site.v)))
-    return q, k, v, mask_value_in_op_layout(site)
+    return OpCall(q, k, v, mask_value_in_op_layout(site), site.is_causal, site.window_left)
 
 
 def backward_refusal_reason(site: AttentionSite) -> Optional[tuple[str, str]]:
     """(reason, detail) when a site of a training graph must stay because the op's backward is slow there."""
-    q, k, v, mask = _op_inputs(site)
-    rules = _BACKWARD_RULES.get(q.device.type)
-    return None if rules is None else rules(q, k, v, mask, site.is_causal)
+    call = _op_call(site)
+    rules = _BACKWARD_RULES.get(call.q.device.type)
+    return None if rules is None else rules(call)
 
 
 def refusal_reason(site: AttentionSite) -> Optional[tuple[str, str]]:
     """(reason, detail) when the site must stay as it is; None when the op takes it."""
-    q, k, v, mask = _op_inputs(site)
-    if q.dtype not in _KERNEL_DTYPES:
+    call = _op_call(site)
+    q, k, v, mask = call.q, call.k, call.v, call.mask
+    if q.dtype not in _OP_DTYPES:
         return "dtype", str(q.dtype)
     if mask is not None and mask.dtype != torch.bool and not mask.dtype.is_floating_point:
         return "mask_dtype", str(mask.dtype)
     try:
-        ops.check_inputs(q, k, v, mask, site.is_causal)
+        ops.check_inputs(q, k, v, mask, call.is_causal, call.window_left)
     except ValueError as error:
         return "not_computable", str(error)
     out = value_in_op_layout(tensor_val(site.anchor), site.layouts["out"])
@@ -108,4 +124,4 @@ def refusal_reason(site: AttentionSite) -> Optional[tuple[str, str]]:
     rules = _DEVICE_RULES.get(q.device.type)
     if rules is None:
         return "device", q.device.type
-    return rules(q, k, v, mask, site.is_causal)
+    return rules(call)

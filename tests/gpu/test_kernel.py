@@ -120,7 +120,7 @@ def test_unsupported_reasons():
     mask = torch.ones(16, 16, dtype=torch.bool, device=DEV)
     # Masks: bool/float32/bf16/fp16 run the masked kernels (tests/gpu/test_mask.py); others are refused.
     assert _cuda.kernel_unsupported_reason(q, k, v, mask.double(), False) is not None
-    assert _cuda.kernel_unsupported_reason(q, k, v, mask, True) is not None
+    assert _cuda.kernel_unsupported_reason(q, k, v, mask.float(), True) is not None  # additive with causal
     assert _cuda.kernel_unsupported_reason(q.float(), k.float(), v.float(), None, False) is not None
     q96, k96, v96 = make_qkv(1, 2, 2, 16, 16, 96, torch.bfloat16)
     assert _cuda.kernel_unsupported_reason(q96, k96, v96, None, False) is not None

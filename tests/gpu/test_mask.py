@@ -264,7 +264,7 @@ def test_mask_refusals():
     q, k, v = make_qkv(1, 2, 2, 16, 16, d, DTYPES[dt])
     ok = torch.ones(16, 16, dtype=torch.bool, device=DEV)
     assert _cuda.kernel_unsupported_reason(q, k, v, ok, False) is None
-    assert _cuda.kernel_unsupported_reason(q, k, v, ok, True) is not None
+    assert _cuda.kernel_unsupported_reason(q, k, v, ok, True) is None  # bool mask and causal: both apply
     assert _cuda.kernel_unsupported_reason(q, k, v, ok.double(), False) is not None
     assert _cuda.kernel_unsupported_reason(q, k, v, ok.int(), False) is not None
     assert _cuda.kernel_unsupported_reason(q, k, v, torch.ones(3, 16, dtype=torch.bool, device=DEV), False) is not None

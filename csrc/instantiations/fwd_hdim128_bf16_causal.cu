@@ -1,3 +1,0 @@
-// Forward kernel, head dim 128, bf16, causal (top-left).
-#include "../fa2/launch.hpp"
-FA2_INSTANTIATE_FWD(128, kBF16, true)

@@ -1,3 +1,0 @@
-// Forward kernel, head dim 128, fp16, no causal mask.
-#include "../fa2/launch.hpp"
-FA2_INSTANTIATE_FWD(128, kFP16, false)

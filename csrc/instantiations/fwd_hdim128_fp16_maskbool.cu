@@ -1,3 +1,0 @@
-// Forward kernel, head dim 128, fp16, boolean attention mask (True = attend), with its pre-pass.
-#include "../fa2/launch.hpp"
-FA2_INSTANTIATE_FWD_MASKED(128, kFP16, kBool)

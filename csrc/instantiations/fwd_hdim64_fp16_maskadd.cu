@@ -1,3 +1,0 @@
-// Forward kernel, head dim 64, fp16, additive attention mask (float32/bf16/fp16), with its pre-pass.
-#include "../fa2/launch.hpp"
-FA2_INSTANTIATE_FWD_MASKED(64, kFP16, kAdditive)
