@@ -18,6 +18,7 @@ import torch
 from .cases import CAUSAL_CHOICES, DTYPES, PAPER_HIDDEN, PAPER_TOKENS, sweep_cells
 from .implementations import DEFAULT_IMPLS, IMPLEMENTATIONS, TOLERANCES
 from .masks import mask_rows
+from .sites import run_sites
 from .measure import CellResult, measure_cell
 from .plot import draw_plot, plot_title
 from .report import Progress, environment, environment_line, write_json
@@ -71,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, default=Path("fa2_bench.json"), help="default %(default)s")
     parser.add_argument("--plot", type=Path, default=Path("fa2_bench.png"), help="default %(default)s")
     parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw --plot from a saved JSON")
+    parser.add_argument(
+        "--sites", action="store_true",
+        help="one attention site with real models' masks and head shapes: the op against SDPA with HF's dense mask "
+        "(per call, CPU cost included); the pass's short-sequence rule comes from it",
+    )
     parser.add_argument(
         "--masks", action="store_true",
         help="only the attention-mask rows (bf16, D=128, --tokens/--hidden shapes): causal as a bool mask vs "
@@ -152,6 +158,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.masks:
         return mask_rows(args)
+    if args.sites:
+        run_sites(args)
+        return 0
     if args.replot is not None:
         replot(args.replot, args.plot)
         return 0
