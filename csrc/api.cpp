@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <map>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -149,12 +150,21 @@ void check_launch(const char* fn, cudaError_t err) {
 
 }  // namespace
 
+// rows_filter (optional, float32 with lse's shape and strides): only query tiles holding a row that is
+// -inf there run; the others leave out and lse untouched.
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-         double scale, bool is_causal, int64_t window_left) {
+         double scale, bool is_causal, int64_t window_left, const std::optional<at::Tensor>& rows_filter) {
   constexpr const char* fn = "fa2_inductor._C.fwd";
   fa2::FwdParams p = describe_call(fn, q, k, v, out, lse, scale);
   p.causal = is_causal;
   p.window_left = check_window(fn, is_causal, window_left);
+  if (rows_filter.has_value()) {
+    const at::Tensor& f = *rows_filter;
+    TORCH_CHECK(f.device() == lse.device() && f.scalar_type() == at::kFloat && f.sizes() == lse.sizes() &&
+                    f.strides() == lse.strides(),
+                fn, ": rows_filter must be float32 with lse's shape and strides");
+    p.rows_filter = f.data_ptr<float>();
+  }
   const KernelEntry& entry = kernel_for(fn, q);
   if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return;
   c10::cuda::CUDAGuard guard(q.device());
@@ -209,9 +219,10 @@ void fwd_masked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
   check_launch(fn, run(p, c10::cuda::getCurrentCUDAStream().stream()));
 }
 
-// Rewrites the rows the forward left empty (lse = -inf) to the mean of V over all keys (the op's
-// empty_rows_mean policy).
-void fill_empty_rows(at::Tensor& out, const at::Tensor& lse, const at::Tensor& v) {
+// Rewrites the rows the forward left empty (lse = -inf) to the mean of V over all keys, or, given
+// source ([B, Hq, Sq, D] like out), to source's rows (the op's empty_rows policies).
+void fill_empty_rows(at::Tensor& out, const at::Tensor& lse, const at::Tensor& v,
+                     const std::optional<at::Tensor>& source) {
   constexpr const char* fn = "fa2_inductor._C.fill_empty_rows";
   check_operand(out, "out", out);
   check_operand(v, "v", out);
@@ -242,6 +253,16 @@ void fill_empty_rows(at::Tensor& out, const at::Tensor& lse, const at::Tensor& v
   p.v_batch_stride = v.stride(0);
   p.v_head_stride = v.stride(1);
   p.v_row_stride = v.stride(2);
+  if (source.has_value()) {
+    const at::Tensor& src = *source;
+    TORCH_CHECK(src.device() == out.device() && src.scalar_type() == out.scalar_type() && src.sizes() == out.sizes() &&
+                    src.stride(3) == 1,
+                fn, ": source must match out (shape, dtype, device, contiguous last dim)");
+    p.source = src.data_ptr();
+    p.source_batch_stride = src.stride(0);
+    p.source_head_stride = src.stride(1);
+    p.source_row_stride = src.stride(2);
+  }
   c10::cuda::CUDAGuard guard(out.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   check_launch(fn, v.scalar_type() == at::kBFloat16 ? fa2::run_fill_empty_rows<fa2::DType::kBF16>(p, stream)
@@ -271,13 +292,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fa2_inductor Hopper (sm_90a) FlashAttention forward kernel";
   m.def("fwd", &fwd, "Attention forward into preallocated out [B,Hq,Sq,D] and lse [B,Hq,Sq] (float32)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
-        pybind11::arg("scale"), pybind11::arg("is_causal"), pybind11::arg("window_left"));
+        pybind11::arg("scale"), pybind11::arg("is_causal"), pybind11::arg("window_left"),
+        pybind11::arg("rows_filter") = pybind11::none());
   m.def("fwd_masked", &fwd_masked,
         "Masked attention forward (mask expanded to [B,Hq,Sq,Sk]: bool = attend, or additive float32/bf16/fp16)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
         pybind11::arg("scale"), pybind11::arg("mask"), pybind11::arg("is_causal"), pybind11::arg("window_left"));
-  m.def("fill_empty_rows", &fill_empty_rows, "Rows with lse = -inf get the mean of V over all keys",
-        pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("v"));
+  m.def("fill_empty_rows", &fill_empty_rows,
+        "Rows with lse = -inf get the mean of V over all keys, or source's rows when given",
+        pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("v"), pybind11::arg("source") = pybind11::none());
   m.def("compiled_kernels", &compiled_kernels, "List of (head_dim, dtype_name) compiled into this build");
   m.def("limits", &limits, "The limits every compiled kernel shares");
 }

@@ -25,7 +25,7 @@ VARIANTS = {
 
 # Compile units that every build has once (not per head dim).
 SHARED_UNITS = {
-    "empty_rows": ("the empty-row fix-up (empty_rows_mean)",
+    "empty_rows": ("the empty-row fix-up (empty_rows)",
                    '#include "../fa2/empty_rows.hpp"\n'
                    "template cudaError_t fa2::run_fill_empty_rows<fa2::DType::kBF16>(const fa2::EmptyRowsParams&, cudaStream_t);\n"
                    "template cudaError_t fa2::run_fill_empty_rows<fa2::DType::kFP16>(const fa2::EmptyRowsParams&, cudaStream_t);\n"),

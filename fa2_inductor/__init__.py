@@ -5,9 +5,9 @@ Importing never initialises CUDA and never fails when the compiled kernel is mis
 
 from . import config
 from .ops import flash_attention
-from .reference import attention_reference
+from .reference import EmptyRows, attention_reference
 
-__all__ = ["attention_reference", "config", "flash_attention"]
+__all__ = ["EmptyRows", "attention_reference", "config", "flash_attention"]
 __version__ = "0.1.0"
 from .backend import disable, enable, enabled
 from .explain import explain

@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _extension
+from . import _extension, reference
+from .reference import EmptyRows
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # Mask dtypes the masked kernels read: bool (True = attend) or additive float32/bf16/fp16.
@@ -150,7 +151,7 @@ def forward(
     lse: Tensor,
     attn_mask: Optional[Tensor] = None,
     window_left: int = -1,
-    empty_rows_mean: bool = False,
+    empty_rows: int = EmptyRows.ZERO,
 ) -> None:
     """Runs the kernel into preallocated out [B,Hq,Sq,D] and lse [B,Hq,Sq] (float32, natural log), with the
     op's meaning of every argument; only for calls ``kernel_unsupported_reason`` accepted.
@@ -160,14 +161,12 @@ def forward(
     """
     if q.numel() == 0 and (q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0):
         return
-    if k.shape[2] == 0:  # no key at all: every row is empty (and has no key to average)
+    if k.shape[2] == 0:  # no key at all: every row is empty (and has no key to attend to)
         out.zero_()
         lse.fill_(float("-inf"))
         return
     if scale == 0:  # rare: the kernels mask scores with -inf before scaling (0 * -inf = NaN)
-        from . import reference
-
-        reference.attention_forward(q, k, v, attn_mask, 0.0, is_causal, out, lse, window_left, empty_rows_mean)
+        reference.attention_forward(q, k, v, attn_mask, 0.0, is_causal, out, lse, window_left, empty_rows)
         return
     if scale < 0:  # the kernels track the max of raw scores, which needs a non-negative scale
         q, scale = -q, -scale
@@ -175,9 +174,15 @@ def forward(
         _extension.C.fwd_masked(q, k, v, out, lse, float(scale), _expanded_mask(attn_mask, q, k), bool(is_causal),
                                 int(window_left))
     else:
-        _extension.C.fwd(q, k, v, out, lse, float(scale), bool(is_causal), int(window_left))
-    if empty_rows_mean:
+        _extension.C.fwd(q, k, v, out, lse, float(scale), bool(is_causal), int(window_left), None)
+    if empty_rows == EmptyRows.MEAN_V:
         _extension.C.fill_empty_rows(out, lse, v)
+    elif empty_rows == EmptyRows.ALL_KEYS:
+        # Unmasked attention for the query tiles holding an empty row (the others exit at once), then
+        # those rows copied over.
+        unmasked, unmasked_lse = reference.empty_outputs(q, v)
+        _extension.C.fwd(q, k, v, unmasked, unmasked_lse, float(scale), False, -1, lse)
+        _extension.C.fill_empty_rows(out, lse, v, unmasked)
 
 
 def _flash_backward_op():

@@ -1,11 +1,11 @@
 """The attention op: schema, input checks, fake, reference and CUDA implementations, autograd.
 
 ``torch.ops.fa2_inductor.flash_attention_fwd(q, k, v, attn_mask, scale, is_causal, window_left=-1,
-empty_rows_mean=False) -> (out, lse)`` computes ``softmax(q kᵀ · scale + mask) v`` like
+empty_rows=0) -> (out, lse)`` computes ``softmax(q kᵀ · scale + mask) v`` like
 ``F.scaled_dot_product_attention`` and also returns the natural-log log-sum-exp of the scaled, masked
 scores. ``lse`` is not differentiable. Unlike SDPA, ``attn_mask`` and ``is_causal`` may come together
-(both apply), ``window_left`` bounds a causal sliding window, and ``empty_rows_mean`` picks what rows with
-no visible key return (see ``flash_attention``).
+(both apply), ``window_left`` bounds a causal sliding window, and ``empty_rows`` (an ``EmptyRows``) picks
+what rows with no visible key return.
 
 The CUDA implementation runs the Hopper kernel where it covers the call (see ``_cuda``) and the
 reference otherwise, so every device gets a correct answer.
@@ -21,13 +21,15 @@ import torch
 from torch import Tensor
 
 from . import _cuda, reference
+from .reference import EmptyRows
 
 MAX_HEAD_DIM = 256
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_inputs(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1,
+    empty_rows: int = EmptyRows.ZERO,
 ) -> None:
     """Raises ValueError naming the problem when the arguments do not describe a valid attention."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -59,6 +61,8 @@ def check_inputs(
         raise ValueError(f"flash_attention: query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     if window_left != -1 and not (is_causal and window_left >= 0):
         raise ValueError(f"flash_attention: window_left must be -1 or, with is_causal=True, >= 0; got {window_left}")
+    if empty_rows not in EmptyRows.__members__.values():
+        raise ValueError(f"flash_attention: empty_rows must be one of {[int(e) for e in EmptyRows]} (EmptyRows), got {empty_rows}")
     if attn_mask is not None:
         _check_mask(attn_mask, (b, hq, sq, k.shape[2]), q)
 
@@ -78,9 +82,9 @@ def _check_mask(attn_mask: Tensor, shape: tuple, q: Tensor) -> None:
         raise ValueError(f"flash_attention: attn_mask of shape {mask_shape} does not broadcast to [B, Hq, Sq, Sk] = {list(shape)}")
 
 
-def _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows_mean):
+def _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows):
     out, lse = reference.empty_outputs(q, v)
-    reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows_mean)
+    reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows)
     return out, lse
 
 
@@ -93,10 +97,10 @@ def flash_attention_fwd(
     scale: float,
     is_causal: bool,
     window_left: int = -1,
-    empty_rows_mean: bool = False,
+    empty_rows: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    check_inputs(q, k, v, attn_mask, is_causal, window_left)
-    return _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows_mean)
+    check_inputs(q, k, v, attn_mask, is_causal, window_left, empty_rows)
+    return _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows)
 
 
 def _note_reference_fallback(reason: str) -> None:
@@ -110,20 +114,20 @@ def _note_reference_fallback(reason: str) -> None:
 
 
 @flash_attention_fwd.register_kernel("cuda")
-def _flash_attention_fwd_cuda(q, k, v, attn_mask, scale, is_causal, window_left=-1, empty_rows_mean=False):
-    check_inputs(q, k, v, attn_mask, is_causal, window_left)
+def _flash_attention_fwd_cuda(q, k, v, attn_mask, scale, is_causal, window_left=-1, empty_rows=0):
+    check_inputs(q, k, v, attn_mask, is_causal, window_left, empty_rows)
     reason = _cuda.kernel_unsupported_reason(q, k, v, attn_mask, is_causal, window_left)
     if reason is not None:
         _note_reference_fallback(reason)
-        return _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows_mean)
+        return _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows)
     out, lse = reference.empty_outputs(q, v)
-    _cuda.forward(q, k, v, scale, is_causal, out, lse, attn_mask, window_left, empty_rows_mean)
+    _cuda.forward(q, k, v, scale, is_causal, out, lse, attn_mask, window_left, empty_rows)
     return out, lse
 
 
 @flash_attention_fwd.register_fake
-def _flash_attention_fwd_fake(q, k, v, attn_mask, scale, is_causal, window_left=-1, empty_rows_mean=False):
-    check_inputs(q, k, v, attn_mask, is_causal, window_left)
+def _flash_attention_fwd_fake(q, k, v, attn_mask, scale, is_causal, window_left=-1, empty_rows=0):
+    check_inputs(q, k, v, attn_mask, is_causal, window_left, empty_rows)
     return reference.empty_outputs(q, v)
 
 
@@ -171,7 +175,7 @@ def _flash_attention_bwd_fake(grad_out, q, k, v, out, lse, attn_mask, scale, is_
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, scale, is_causal, window_left, _empty_rows_mean = inputs
+    q, k, v, attn_mask, scale, is_causal, window_left, _empty_rows = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.scale = scale
@@ -201,7 +205,7 @@ def flash_attention(
     scale: Optional[float] = None,
     is_causal: bool = False,
     window_left: int = -1,
-    empty_rows_mean: bool = False,
+    empty_rows: int = EmptyRows.ZERO,
 ) -> Tensor:
     """Differentiable ``softmax(q kᵀ · scale + mask) v`` with SDPA's layout and meaning.
 
@@ -210,14 +214,12 @@ def flash_attention(
     is_causal: top-left aligned (query i sees keys j <= i), as in SDPA; together with attn_mask both apply.
     window_left: with is_causal, query i also sees no key before i - window_left (a sliding window of
         window_left + 1 keys); -1 for none.
-    empty_rows_mean: rows with no visible key return 0 (False: SDPA's and FlashAttention's convention)
-        or the mean of V over all keys (True: what eager softmax gives when masked scores are a finite
-        fill far below every score, as Hugging Face's finfo.min masks are). Their lse is -inf either way.
+    empty_rows: what rows with no visible key return (``EmptyRows``): 0 by default.
     scale defaults to 1/sqrt(D).
     """
-    check_inputs(q, k, v, attn_mask, is_causal, window_left)
+    check_inputs(q, k, v, attn_mask, is_causal, window_left, empty_rows)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     out, _ = flash_attention_fwd(q, k, v, attn_mask, float(scale), bool(is_causal), int(window_left),
-                                 bool(empty_rows_mean))
+                                 int(empty_rows))
     return out

@@ -4,12 +4,13 @@ Everything is computed in float32 (float64 stays float64) and processed in query
 ``B * Hq * block * Sk`` scores exist at once. K and V are never repeated for GQA: queries are grouped
 as ``[B, Hkv, G, Sq, D]`` against ``[B, Hkv, 1, Sk, D]``.
 
-Rows whose keys are all masked out give ``lse = -inf`` and ``out = 0`` (FlashAttention's convention), or
-with ``empty_rows_mean`` the mean of V over all keys (what a finite fill such as finfo.min gives eagerly).
+Rows whose keys are all masked out give ``lse = -inf`` and, as ``empty_rows`` (an ``EmptyRows``) says,
+``out = 0`` (FlashAttention's convention), the mean of V over all keys, or attention over all keys.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Iterator, Optional
 
@@ -23,6 +24,20 @@ _MAX_BLOCK_SCORES = 1 << 26
 # accuracy on the calling thread (float32 off by ~1e-4 relative; seen with OMP_NUM_THREADS=2, 4).
 # One small exp on this thread first avoids it; it costs microseconds.
 torch.exp(torch.zeros(1))
+
+
+class EmptyRows(enum.IntEnum):
+    """What a row with no visible key returns; its lse is -inf whichever is chosen, and it gets no gradient.
+
+    Masking code says which by the value it gives hidden scores: -inf (or a bool mask) leaves such a row
+    empty; a finite fill far below every score (Hugging Face's finfo.min) makes the whole row the fill, a
+    uniform softmax; a finite fill that hides keys but does not swallow the score (e.g. -65504, cuDNN's
+    conversion of bool masks) shifts the whole row equally, which softmax ignores.
+    """
+
+    ZERO = 0  # out = 0: SDPA's and FlashAttention's convention
+    MEAN_V = 1  # the mean of V over all keys
+    ALL_KEYS = 2  # attention over all keys, as if unmasked (no mask, no causal, no window)
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -109,7 +124,7 @@ def attention_forward(
     out: Tensor,
     lse: Tensor,
     window_left: int = -1,
-    empty_rows_mean: bool = False,
+    empty_rows: int = 0,
 ) -> None:
     """Writes softmax(q kᵀ · scale + mask) v into ``out`` and the natural-log LSE into ``lse``."""
     b, hq, sq, _ = q.shape
@@ -129,16 +144,20 @@ def attention_forward(
         block_lse = (finite_max + torch.log(row_sum)).squeeze(-1)
         out[:, :, rows] = block_out.flatten(1, 2).to(out.dtype)
         lse[:, :, rows] = block_lse.flatten(1, 2).to(lse.dtype)
-    if empty_rows_mean and sk > 0:
-        fill_empty_rows(out, lse, v)
+    if empty_rows != EmptyRows.ZERO and sk > 0:
+        fill_empty_rows(out, lse, q, k, v, scale, empty_rows)
 
 
-def fill_empty_rows(out: Tensor, lse: Tensor, v: Tensor) -> None:
-    """Rows with lse = -inf get the mean of V over all keys (the op's empty_rows_mean policy)."""
-    group = out.shape[1] // v.shape[1]
-    mean_v = v.to(_accumulation_dtype(v.dtype)).mean(dim=2).repeat_interleave(group, dim=1)  # [B, Hq, D]
+def fill_empty_rows(out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, empty_rows: int) -> None:
+    """Rows with lse = -inf get the mean of V over all keys, or attention over all keys (``EmptyRows``)."""
     empty = torch.isneginf(lse).unsqueeze(-1)
-    out.copy_(torch.where(empty, mean_v.unsqueeze(2).to(out.dtype), out))
+    if empty_rows == EmptyRows.MEAN_V:
+        group = out.shape[1] // v.shape[1]
+        filled = v.to(_accumulation_dtype(v.dtype)).mean(dim=2).repeat_interleave(group, dim=1).unsqueeze(2)
+    else:
+        filled, _ = empty_outputs(q, v)
+        attention_forward(q, k, v, None, scale, False, filled, torch.empty_like(lse))
+    out.copy_(torch.where(empty, filled.to(out.dtype), out))
 
 
 def attention_backward(
@@ -202,10 +221,10 @@ def attention_reference(
     scale: Optional[float] = None,
     is_causal: bool = False,
     window_left: int = -1,
-    empty_rows_mean: bool = False,
+    empty_rows: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) computed by the reference path, for tests and examples."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out, lse = empty_outputs(q, v)
-    attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows_mean)
+    attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows)
     return out, lse

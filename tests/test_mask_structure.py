@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fa2_inductor
+from fa2_inductor import EmptyRows
 from tests.hf_families import FAMILIES, model_output
 
 FLASH_FWD = torch.ops.fa2_inductor.flash_attention_fwd.default
@@ -26,7 +27,7 @@ class Call:
     window_left: int
     mask_shape: tuple | None
     mask_dtype: torch.dtype | None
-    empty_rows_mean: bool
+    empty_rows: int
 
 
 class CaptureCalls(CustomGraphPass):
@@ -38,10 +39,10 @@ class CaptureCalls(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         for node in graph.nodes:
             if node.op == "call_function" and node.target is FLASH_FWD:
-                mask, is_causal, window_left, empty_rows_mean = node.args[3], *node.args[5:8]
+                mask, is_causal, window_left, empty_rows = node.args[3], *node.args[5:8]
                 value = mask.meta["val"] if mask is not None else None
                 self.calls.append(Call(is_causal, window_left, None if value is None else tuple(value.shape),
-                                       None if value is None else value.dtype, empty_rows_mean))
+                                       None if value is None else value.dtype, empty_rows))
 
     def __deepcopy__(self, memo):
         return self
@@ -82,6 +83,8 @@ def _compile_and_compare(family, impl, padding):
     return model
 
 
+# HF eager fills hidden scores with finfo.min (an empty row averages V); SDPA's CPU path fills -inf.
+EAGER_EMPTY_ROWS = {"eager": EmptyRows.MEAN_V, "sdpa": EmptyRows.ZERO}
 # Llama in full; the others where they differ (MQA, GPT-2's own attention, a sliding window).
 CASES = [("llama", impl, padding) for impl in ("eager", "sdpa") for padding in ("none", "right", "left")]
 CASES += [("qwen2", "sdpa", "left"), ("gpt2", "eager", "right"), ("mistral", "eager", "left"), ("mistral", "sdpa", "none")]
@@ -97,8 +100,7 @@ def test_decoder_masks_become_causal_plus_key_padding(capture, name, impl, paddi
     assert counters["fa2_inductor"]["rewrites"] == counters["fa2_inductor"]["rewrites:" + form] == sites, \
         dict(counters["fa2_inductor"])
     batch, seq = _inputs(family, model.config, padding)["input_ids"].shape
-    expected = Call(True, window - 1 if window else -1, (batch, 1, 1, seq), torch.bool,
-                    impl == "eager")  # eager's finfo.min fill: an empty row averages V
+    expected = Call(True, window - 1 if window else -1, (batch, 1, 1, seq), torch.bool, EAGER_EMPTY_ROWS[impl])
     assert capture.calls == [expected] * sites
 
 
@@ -114,7 +116,7 @@ def test_encoder_and_cross_attention_padding_becomes_a_key_mask(capture, name, p
     assert counters["fa2_inductor"]["rewrites"] == sites, dict(counters["fa2_inductor"])
     key_masked = [c for c in capture.calls if c.mask_shape is not None]
     assert all(len(c.mask_shape) == 4 and c.mask_shape[1:3] == (1, 1) and c.mask_dtype == torch.bool for c in key_masked)
-    assert all(c.empty_rows_mean == (impl == "eager") for c in key_masked), capture.calls
+    assert all(c.empty_rows == EAGER_EMPTY_ROWS[impl] for c in key_masked), capture.calls
     causal = [c for c in capture.calls if c.is_causal]  # BART's decoder self-attention (no decoder mask given)
     assert len(key_masked) + len(causal) == sites and all(c.mask_shape is None for c in causal)
 
@@ -156,13 +158,13 @@ def test_hand_written_hf_mask_is_exact_with_empty_rows(capture, window, pad_left
     expected = fn(q, k, v, mask)
     got = torch.compile(fn, backend="fa2_inductor")(q, k, v, mask)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert capture.calls == [Call(True, window - 1 if window else -1, (B, 1, 1, S), torch.bool, True)]
+    assert capture.calls == [Call(True, window - 1 if window else -1, (B, 1, 1, S), torch.bool, EmptyRows.MEAN_V)]
 
 
-def test_a_fill_that_does_not_absorb_scores_keeps_the_dense_mask(capture):
-    """-1e4 is added to the scores, not absorbing them: a row with no visible key is softmax(scores), not a
-    mean of V. The structure cannot say that, so the additive mask stays as it is."""
-    fn, mask = _hf_style(pad_left=7, fill=-1e4)
+def test_a_fill_that_does_not_hide_keeps_the_dense_mask(capture):
+    """-50 leaves a hidden key a weight of exp(-50), not 0: no structure says that, so the additive mask
+    stays as it is (and the answer exact)."""
+    fn, mask = _hf_style(pad_left=7, fill=-50.0)
     q, k, v = _qkv()
     expected = fn(q, k, v, mask)
     got = torch.compile(fn, backend="fa2_inductor")(q, k, v, mask)
@@ -198,4 +200,19 @@ def test_sdpa_bool_mask_with_data_and_positions(capture):
     keep[0, -5:] = False
     got = torch.compile(attention, backend="fa2_inductor")(q, k, v, keep)
     torch.testing.assert_close(got, attention(q, k, v, keep), atol=1e-5, rtol=1e-5)
-    assert capture.calls == [Call(True, -1, (B, 1, 1, S), torch.bool, False)]
+    assert capture.calls == [Call(True, -1, (B, 1, 1, S), torch.bool, EmptyRows.ZERO)]
+
+
+@pytest.mark.parametrize("fill, empty_rows", [(-65504.0, EmptyRows.ALL_KEYS), (-1.0e4, EmptyRows.ALL_KEYS),
+                                              (float("-inf"), EmptyRows.ZERO), (-3.0e38, EmptyRows.MEAN_V)])
+@pytest.mark.parametrize("pad_left", [0, 7])
+def test_the_fill_decides_what_empty_rows_compute(capture, fill, empty_rows, pad_left):
+    """cuDNN's SDPA turns a bool mask into where(mask, 0, -65504): an empty row then attends to every key.
+    (Eager's own float32 rounds scores by 2**-8 when it adds -65504, so the check is against its float64 math;
+    a hand-written softmax over a row of -inf is NaN, where the op, as SDPA, gives 0.)"""
+    fn, mask = _hf_style(pad_left=pad_left, fill=fill)
+    q, k, v = _qkv()
+    expected = fn(q.double(), k.double(), v.double(), mask).nan_to_num(0.0)
+    got = torch.compile(fn, backend="fa2_inductor")(q, k, v, mask)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    assert capture.calls == [Call(True, -1, (B, 1, 1, S), torch.bool, empty_rows)]

@@ -29,10 +29,10 @@ def _qkv(b, hq, hkv, sq, sk, d, dtype=torch.float32, requires_grad=False):
     return q, k, v
 
 
-def _assert_matches_f64(q, k, v, attn_mask=None, scale=None, is_causal=False, window_left=-1, empty_rows_mean=False):
+def _assert_matches_f64(q, k, v, attn_mask=None, scale=None, is_causal=False, window_left=-1, empty_rows=False):
     scale_value = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out, lse = op(q, k, v, attn_mask, scale_value, is_causal, window_left, empty_rows_mean)
-    ref_out, ref_lse = dense_attention_f64(q, k, v, attn_mask, scale_value, is_causal, window_left, empty_rows_mean)
+    out, lse = op(q, k, v, attn_mask, scale_value, is_causal, window_left, empty_rows)
+    ref_out, ref_lse = dense_attention_f64(q, k, v, attn_mask, scale_value, is_causal, window_left, empty_rows)
     tol = TOLERANCE[q.dtype]
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert out.shape == q.shape and lse.shape == q.shape[:3]
@@ -74,20 +74,23 @@ def test_mask_and_causal_both_apply():
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "additive"])
-def test_empty_rows_mean_averages_v_over_all_keys(mask_kind):
-    """What eager softmax gives when masked scores are finfo.min: a row with no visible key averages V."""
+@pytest.mark.parametrize("empty_rows, fill", [(fa2_inductor.EmptyRows.MEAN_V, torch.finfo(torch.float32).min),
+                                              (fa2_inductor.EmptyRows.ALL_KEYS, -65504.0)], ids=["mean_v", "all_keys"])
+def test_empty_rows_policies_match_eager_finite_fills(mask_kind, empty_rows, fill):
+    """A row with no visible key gives what eager softmax gives when masked scores hold a finite fill:
+    finfo.min swallows the scores (a uniform average of V), -65504 shifts them equally (all keys, unmasked)."""
     q, k, v = _qkv(2, 4, 2, 20, 24, 16)
     visible = torch.ones(2, 1, 1, 24, dtype=torch.bool)
     visible[0, ..., :5] = False
     mask = visible if mask_kind == "bool" else torch.where(visible, 0.0, float("-inf"))
-    out, lse = _assert_matches_f64(q, k, v, mask, is_causal=True, empty_rows_mean=True)
+    out, lse = _assert_matches_f64(q, k, v, mask, is_causal=True, empty_rows=empty_rows)
     assert torch.isneginf(lse[0, :, :5]).all()
-    expected = v.double().mean(-2).repeat_interleave(2, dim=1)[0].unsqueeze(1).expand(4, 5, 16)
-    torch.testing.assert_close(out[0, :, :5].double(), expected)
+    # Eager's math in float64, where adding -65504 to a score does not round it (float32 would by 2**-8).
     causal = torch.ones(20, 24, dtype=torch.bool).tril()
-    eager_bias = torch.where(visible & causal, 0.0, torch.finfo(torch.float32).min)
-    eager = torch.softmax(q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 4 + eager_bias, -1)
-    torch.testing.assert_close(out, eager @ v.repeat_interleave(2, 1), atol=1e-5, rtol=1e-5)
+    bias = torch.where(visible & causal, 0.0, fill).double()
+    q, k, v = (t.double() for t in (q, k, v))
+    eager = torch.softmax(q @ k.repeat_interleave(2, 1).transpose(-1, -2) / 4 + bias, -1) @ v.repeat_interleave(2, 1)
+    torch.testing.assert_close(out.double(), eager, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -259,7 +262,7 @@ def test_opcheck(sample):
 def _bad(**overrides):
     args = dict(
         q=torch.randn(2, 4, 8, 16), k=torch.randn(2, 2, 8, 16), v=torch.randn(2, 2, 8, 16), attn_mask=None, is_causal=False,
-        window_left=-1,
+        window_left=-1, empty_rows=0,
     )
     args.update(overrides)
     return args
@@ -282,12 +285,14 @@ def _bad(**overrides):
         (dict(attn_mask=torch.ones(8, 8, dtype=torch.int64)), "must be bool"),
         (dict(window_left=3), "window_left must be -1 or, with is_causal=True"),
         (dict(window_left=-2, is_causal=True), "window_left must be -1 or, with is_causal=True"),
+        (dict(empty_rows=3), "empty_rows must be one of"),
     ],
 )
 def test_bad_input_names_the_problem(overrides, message):
     args = _bad(**overrides)
     with pytest.raises(ValueError, match=message):
-        op(args["q"], args["k"], args["v"], args["attn_mask"], 0.25, args["is_causal"], args["window_left"])
+        op(args["q"], args["k"], args["v"], args["attn_mask"], 0.25, args["is_causal"], args["window_left"],
+           args["empty_rows"])
 
 
 @pytest.mark.parametrize("q", [None, [1.0, 2.0]], ids=["none", "list"])

@@ -1,8 +1,12 @@
-// Rows with no visible key under the op's empty_rows_mean policy: what eager softmax gives when masked
-// scores hold a finite fill far below any score (HF's finfo.min): every score of such a row is the
-// fill, so V is averaged uniformly over all Sk keys. The main kernel leaves these rows at O = 0,
-// LSE = -inf; this kernel rewrites their O (LSE stays -inf: no key is visible). A CTA whose rows all
-// saw a key leaves after one read of their LSE, so the pass costs one small launch when nothing is empty.
+// Rows with no visible key, under the op's empty_rows policies other than zero (fa2_inductor's
+// EmptyRows). The main kernel leaves these rows at O = 0, LSE = -inf; this kernel rewrites their O
+// (their LSE stays -inf: no key is visible) with
+//  * MEAN_V: the mean of V over all Sk keys (masked scores hold a fill that swallows the score, e.g.
+//    HF's finfo.min: every score of the row is the fill, a uniform softmax), or
+//  * ALL_KEYS: the row of `source`, an unmasked attention the caller ran for the tiles holding such
+//    rows (masked scores hold a finite fill that shifts the whole row equally, e.g. cuDNN's -65504).
+// A CTA whose rows all saw a key leaves after one read of their LSE, so the pass costs one small
+// launch when nothing is empty.
 #pragma once
 
 #include <cmath>
@@ -29,6 +33,18 @@ __global__ void __launch_bounds__(kEmptyRowsThreads) fill_empty_rows_kernel(cons
   const bool empty = row < p.seqlen_q && lse[row] == -INFINITY;
   row_empty[threadIdx.x] = empty;
   if (!__syncthreads_or(empty)) return;
+  Element* o = static_cast<Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+  const int rows = min(kEmptyRowsThreads, p.seqlen_q - row0);
+
+  if (p.source != nullptr) {
+    const Element* src = static_cast<const Element*>(p.source) + batch * p.source_batch_stride +
+                         head * p.source_head_stride;
+    for (int i = threadIdx.x; i < rows * p.head_dim; i += kEmptyRowsThreads) {
+      const int r = i / p.head_dim, c = i - r * p.head_dim;
+      if (row_empty[r]) o[int64_t(row0 + r) * p.o_row_stride + c] = src[int64_t(row0 + r) * p.source_row_stride + c];
+    }
+    return;
+  }
 
   // Mean of V over all keys: thread t sums column t % D over every (threads / D)-th key.
   const int d = int(threadIdx.x) % p.head_dim, slice = int(threadIdx.x) / p.head_dim;
@@ -48,8 +64,6 @@ __global__ void __launch_bounds__(kEmptyRowsThreads) fill_empty_rows_kernel(cons
   }
   __syncthreads();
 
-  Element* o = static_cast<Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
-  const int rows = min(kEmptyRowsThreads, p.seqlen_q - row0);
   for (int i = threadIdx.x; i < rows * p.head_dim; i += kEmptyRowsThreads) {
     const int r = i / p.head_dim, c = i - r * p.head_dim;
     if (row_empty[r]) o[int64_t(row0 + r) * p.o_row_stride + c] = Element(mean[c]);

@@ -14,6 +14,16 @@ namespace fa2 {
 
 using namespace cute;
 
+// True when one of the tile's rows is -inf in args.rows_filter (a whole-CTA vote, before any barrier).
+template <class Traits>
+CUTE_DEVICE bool tile_has_filtered_row(const KernelArgs<Traits>& args, int m_block, int head, int batch) {
+  static_assert(Traits::kThreads >= Traits::kBlockM);
+  const int row = m_block * Traits::kBlockM + int(threadIdx.x);
+  const float* filter = args.rows_filter + batch * args.lse_batch_stride + head * args.lse_head_stride;
+  const bool hit = threadIdx.x < Traits::kBlockM && row < args.seqlen_q && filter[row] == -INFINITY;
+  return __syncthreads_or(hit);
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
 fwd_kernel_sm90(CUTE_GRID_CONSTANT const KernelArgs<Traits> args) {
@@ -30,6 +40,7 @@ fwd_kernel_sm90(CUTE_GRID_CONSTANT const KernelArgs<Traits> args) {
   const int m_block = kReverseM ? num_m_blocks - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
+  if (args.rows_filter != nullptr && !tile_has_filtered_row<T>(args, m_block, head, batch)) return;
   // Masked kernels: fully masked key blocks (pre-pass classes) are never loaded nor computed; the
   // list is read here so its latency overlaps the barrier set-up.
   const KeyBlocks<T> blocks = key_blocks<T>(args, m_block, head, batch);

@@ -90,6 +90,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
       p.lse,
       p.lse_batch_stride,
       p.lse_head_stride,
+      p.rows_filter,
       p.seqlen_q,
       p.seqlen_k,
       p.heads_q / p.heads_kv,

@@ -125,6 +125,7 @@ struct KernelArgs {
   typename Traits::GShape shape_kv;  // (Sk, D, Hkv, B)
   float* lse;
   int64_t lse_batch_stride, lse_head_stride;
+  const float* rows_filter;  // FwdParams::rows_filter (lse's strides), or null
   int seqlen_q, seqlen_k, head_ratio;  // head_ratio = Hq / Hkv
   int window_left;                     // causal kernels: keys before i - window_left hidden (-1: none)
   float scale;

@@ -38,6 +38,11 @@ struct FwdParams {
   int64_t o_batch_stride = 0, o_head_stride = 0, o_row_stride = 0;
   int64_t lse_batch_stride = 0, lse_head_stride = 0;  // row stride is 1
 
+  // When set ([B, Hq, Sq] float32 with lse's strides): only query tiles holding a row whose value here
+  // is -inf run (the others exit at once). The ALL_KEYS empty-row pass: unmasked attention for the
+  // rows a masked call left empty.
+  const float* rows_filter = nullptr;
+
   float scale = 1.0f;  // softmax scale applied to Q.K^T
   bool causal = false; // top-left aligned: query i sees keys j <= i
   int window_left = -1; // with causal: query i also sees no key before i - window_left (-1: no window)
@@ -64,11 +69,13 @@ cudaError_t run_fwd_masked(const FwdParams& params, cudaStream_t stream);
 template <int HeadDim, DType Dt, MaskKind Kind>
 int64_t masked_workspace_bytes(const FwdParams& params);
 
-// Rows left empty (LSE = -inf) get the mean of V over all keys: the op's empty_rows_mean policy.
+// Rows left empty (LSE = -inf) get the mean of V over all keys, or (source set) that row of source.
 struct EmptyRowsParams {
   void* o = nullptr;
   const float* lse = nullptr;
   const void* v = nullptr;
+  const void* source = nullptr;  // [B, Hq, Sq, D] like o
+  int64_t source_batch_stride = 0, source_head_stride = 0, source_row_stride = 0;
   int batch = 0, heads_q = 0, heads_kv = 0, seqlen_q = 0, seqlen_k = 0, head_dim = 0;
   int64_t o_batch_stride = 0, o_head_stride = 0, o_row_stride = 0;
   int64_t lse_batch_stride = 0, lse_head_stride = 0;

@@ -75,8 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sites", action="store_true",
         help="one attention site with real models' masks and head shapes: the op against SDPA with HF's dense mask "
-        "(per call, CPU cost included); the pass's short-sequence rule comes from it",
+        "(GPU time per call); the pass's short-sequence rule comes from it",
     )
+    parser.add_argument("--sites-wall", action="store_true", help="--sites: time calls back to back (CPU cost included)")
     parser.add_argument(
         "--masks", action="store_true",
         help="only the attention-mask rows (bf16, D=128, --tokens/--hidden shapes): causal as a bool mask vs "

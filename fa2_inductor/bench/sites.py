@@ -2,7 +2,8 @@
 
 The graph pass must never make a site slower than plain Inductor. For the masks real models pass (key
 padding, causal + key padding, causal), at the head shapes of real models and sequence lengths from 64
-up, this times back to back, per call (so the op's per-call CPU cost counts as it does in a model):
+up, this times each call on the GPU (CUDA events, median; the op's per-call CPU cost is left out, as a
+model hides it behind the GPU work of its other layers: ``--sites-wall`` times calls back to back instead):
 
     op      torch.ops.fa2_inductor.flash_attention_fwd with the structured arguments the pass gives it
     sdpa    F.scaled_dot_product_attention with the dense additive [B, 1, S, S] mask Hugging Face builds
@@ -14,13 +15,16 @@ as fast at every longer one: the threshold the pass's rule (``passes/support.py`
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ..reference import EmptyRows
 from .report import environment, write_json
+from .timing import time_cuda
 
 # (name, heads, kv heads, head dim): the attention shapes of the zoo's models.
 HEAD_SHAPES = (("bert/gpt2 (12-16 x d64)", 12, 12, 64), ("llama-1b (32/8 x d64)", 32, 8, 64),
@@ -44,7 +48,9 @@ class SiteCell:
         return self.op_us / self.sdpa_us
 
 
-def _per_call_us(fn, calls: int) -> float:
+def _per_call_us(fn, calls: int, wall: bool) -> float:
+    if not wall:
+        return 1e3 * statistics.median(time_cuda(fn, warmup=3, reps=calls))
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -55,7 +61,7 @@ def _per_call_us(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def _cell(shape, mask_kind: str, seqlen: int, calls: int) -> SiteCell:
+def _cell(shape, mask_kind: str, seqlen: int, calls: int, wall: bool) -> SiteCell:
     name, hq, hkv, d = shape
     batch = max(1, TOKENS // seqlen)
     g = torch.Generator(device="cuda").manual_seed(seqlen)
@@ -74,14 +80,15 @@ def _cell(shape, mask_kind: str, seqlen: int, calls: int) -> SiteCell:
     k_rep, v_rep = (t.repeat_interleave(hq // hkv, 1) for t in (k, v))  # HF's repeat_kv before SDPA
     op = torch.ops.fa2_inductor.flash_attention_fwd
     scale = d**-0.5
+    empty_rows = int(EmptyRows.ALL_KEYS) if key_mask is not None else 0  # what cuDNN's -65504 fill asks for
 
     def run_op():
-        op(q, k, v, key_mask, scale, causal, -1, key_mask is not None)
+        op(q, k, v, key_mask, scale, causal, -1, empty_rows)
 
     def run_sdpa():
         F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=dense, scale=scale)
 
-    return SiteCell(name, mask_kind, batch, seqlen, _per_call_us(run_op, calls), _per_call_us(run_sdpa, calls))
+    return SiteCell(name, mask_kind, batch, seqlen, _per_call_us(run_op, calls, wall), _per_call_us(run_sdpa, calls, wall))
 
 
 def crossovers(cells: list[SiteCell]) -> dict:
@@ -106,7 +113,7 @@ def run_sites(args) -> list[SiteCell]:
     for shape in HEAD_SHAPES:
         for mask_kind in MASKS:
             for seqlen in SEQLENS:
-                cell = _cell(shape, mask_kind, seqlen, calls=max(args.reps, 20))
+                cell = _cell(shape, mask_kind, seqlen, calls=max(args.reps, 20), wall=args.sites_wall)
                 cells.append(cell)
                 print(f"{cell.shape:<26}{cell.mask:<20}{f'{cell.batch}x{cell.seqlen}':>12}{cell.op_us:>10.1f}"
                       f"{cell.sdpa_us:>10.1f}{cell.ratio:>9.2f}", flush=True)

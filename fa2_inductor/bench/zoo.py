@@ -174,7 +174,7 @@ def _last_hidden(output) -> torch.Tensor:
 
 def run_entry(entry: ZooEntry, device: torch.device, args, on_run: Callable[[Run], None]) -> None:
     family = FAMILIES[entry.family]
-    for impl in entry.impls:
+    for impl in (i for i in entry.impls if not args.impls or i in args.impls):
         torch.manual_seed(0)
         model = family.build(entry.config, impl).to(device).eval()
         inputs = family.inputs(entry, model.config, device)
@@ -262,6 +262,7 @@ def draw(rows: list[dict], path: Path) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zoo", action="store_true", help="real model shapes called with attention_mask (this module)")
     parser.add_argument("--models", nargs="+", help="zoo entries to run (substrings of their names); default all")
+    parser.add_argument("--impls", nargs="+", choices=("sdpa", "eager"), help="zoo: attention implementations to run")
     parser.add_argument("--budget-s", type=float, default=None, help="zoo: stop starting entries after this many seconds")
     parser.add_argument("--plot", type=Path, default=None, help="zoo: PNG of the per-entry ratios")
 

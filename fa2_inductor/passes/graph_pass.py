@@ -54,7 +54,7 @@ def _simplify_mask(site: AttentionSite) -> None:
         return
     site.mask, site.mask_negated, site.mask_terms = None, False, structure.terms
     site.is_causal, site.window_left = structure.is_causal, structure.window_left
-    site.empty_rows_mean = structure.empty_rows_mean
+    site.empty_rows = int(structure.empty_rows)
     site.notes.extend(structure.notes)
 
 

@@ -16,9 +16,12 @@ Exact by construction:
   proof for every call of the graph;
 * every other term is kept as it is, a bool tensor the op ANDs in;
 * an additive mask is read as ``where(mask, 0, fill)`` (or its swapped form) only with a literal 0 and a
-  fill of -inf, or a finite fill so negative that adding it absorbs any score (``ABSORBING_FILL``). Such a
-  fill hides a key exactly like -inf wherever the row has a visible key; a row with none sees every score
-  equal to the fill and averages V uniformly over all keys, which the op does with ``empty_rows_mean``.
+  fill that hides a key exactly as -inf does wherever the row has a visible key: -inf itself, or a finite
+  fill at or below ``HIDING_FILL``. What a row with no visible key computes then depends on the fill, and
+  the op is told (``EmptyRows``): -inf leaves it empty (0); a fill that absorbs any score added to it
+  (``ABSORBING_FILL``: HF's finfo.min) makes every score of the row the fill, a uniform average of V; a
+  fill between the two (cuDNN's -65504 for bool masks) shifts the whole row equally, which softmax ignores:
+  attention over all keys, unmasked.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from ..reference import EmptyRows
 from .fx_utils import aten, is_op, prims, tensor_val
 
 # Patterns with more elements are not evaluated (the proof would cost more than it saves at compile
@@ -39,6 +43,9 @@ MAX_EVALUATED_ELEMENTS = 1 << 28
 # float32, bfloat16 and float16 alike: the fill's spacing there is >= 2**77), so every masked score of
 # a row equals the fill. finfo(bfloat16/float32).min are far below; finfo(float16).min (-65504) is not.
 ABSORBING_FILL = -(2.0**100)
+# A fill at or below this hides a key exactly: exp(fill + (score - row max)) is 0 in float32 unless a hidden
+# score exceeds the row's largest visible one by more than 9900 (then eager's own softmax is meaningless).
+HIDING_FILL = -1.0e4
 
 _AND_OPS = (aten.bitwise_and, aten.logical_and)
 _OR_OPS = (aten.bitwise_or, aten.logical_or)
@@ -52,16 +59,16 @@ class MaskStructure:
     is_causal: bool = False
     window_left: int = -1
     terms: list = field(default_factory=list)  # (bool node, negated): the op's mask is their AND
-    empty_rows_mean: bool = False
+    empty_rows: EmptyRows = EmptyRows.ZERO
     notes: list = field(default_factory=list)
 
 
 @dataclass
 class _Visibility:
-    """``visible = AND of terms``; masked scores take ``fill`` ("-inf" or "absorbing")."""
+    """``visible = AND of terms``; a row with no visible key computes ``empty_rows``."""
 
     terms: list
-    fill: str
+    empty_rows: EmptyRows
 
 
 def analyse(mask: fx.Node, negated: bool, seq_q, seq_k) -> Optional[MaskStructure]:
@@ -84,9 +91,9 @@ def _structure(visibility: "_Visibility", seq_q, seq_k) -> MaskStructure:
         _read_positions(structure, pattern, [term for term, _ in positional])
     else:  # no position term, or one that varies over batch or heads: they stay mask terms
         structure.terms.extend(term for term, _ in positional)
-    if visibility.fill == "absorbing":
-        empty_rows_possible = bool(structure.terms) or (pattern is not None and not bool(pattern.any(dim=-1).all()))
-        structure.empty_rows_mean = empty_rows_possible
+    empty_rows_possible = bool(structure.terms) or (pattern is not None and not bool(pattern.any(dim=-1).all()))
+    if empty_rows_possible:
+        structure.empty_rows = visibility.empty_rows
     return structure
 
 
@@ -142,7 +149,7 @@ def _visibility(mask: fx.Node, negated: bool) -> Optional[_Visibility]:
     if value is None:
         return None
     if value.dtype == torch.bool:
-        return _Visibility(_conjunction_terms(mask, negated), "-inf")
+        return _Visibility(_conjunction_terms(mask, negated), EmptyRows.ZERO)
     if not value.dtype.is_floating_point or negated:
         return None
     where, casts = _strip_value_preserving(mask)
@@ -153,9 +160,9 @@ def _visibility(mask: fx.Node, negated: bool) -> Optional[_Visibility]:
         return None
     dtypes = [tensor_val(where).dtype, *casts]
     for zero, fill, cond_negated in ((if_true, if_false, False), (if_false, if_true, True)):
-        kind = _fill_kind(_cast(_constant_value(fill), dtypes))
-        if _cast(_constant_value(zero), dtypes) == 0.0 and kind is not None:
-            return _Visibility(_conjunction_terms(condition, cond_negated), kind)
+        empty_rows = _empty_rows_of_fill(_cast(_constant_value(fill), dtypes))
+        if _cast(_constant_value(zero), dtypes) == 0.0 and empty_rows is not None:
+            return _Visibility(_conjunction_terms(condition, cond_negated), empty_rows)
     return None
 
 
@@ -217,12 +224,13 @@ def _cast(value: Optional[float], dtypes: list) -> Optional[float]:
     return float(t)
 
 
-def _fill_kind(value: Optional[float]) -> Optional[str]:
-    if value is None or math.isnan(value):
+def _empty_rows_of_fill(value: Optional[float]) -> Optional[EmptyRows]:
+    """What a row whose every key is hidden by ``value`` computes; None for a fill that does not hide."""
+    if value is None or math.isnan(value) or value > HIDING_FILL:
         return None
     if value == -math.inf:
-        return "-inf"
-    return "absorbing" if value <= ABSORBING_FILL else None
+        return EmptyRows.ZERO
+    return EmptyRows.MEAN_V if value <= ABSORBING_FILL else EmptyRows.ALL_KEYS
 
 
 def _conjunction_terms(node: fx.Node, negated: bool) -> list:

@@ -190,7 +190,7 @@ def rewrite_site(site: AttentionSite, backward: Optional[BackwardRegion]) -> Non
         v = to_op_layout(graph, site.v, site.layouts["v"])
         mask = _mask_in_op_layout(graph, site)
         fwd = insert_call(graph, torch.ops.fa2_inductor.flash_attention_fwd.default,
-                          (q, k, v, mask, site.scale, site.is_causal, site.window_left, site.empty_rows_mean))
+                          (q, k, v, mask, site.scale, site.is_causal, site.window_left, int(site.empty_rows)))
         out = insert_call(graph, operator.getitem, (fwd, 0))
         lse = insert_call(graph, operator.getitem, (fwd, 1))
         result = from_op_layout(graph, out, site.layouts["out"])

@@ -7,6 +7,8 @@ from typing import Optional, Union
 
 import torch.fx as fx
 
+from ..reference import EmptyRows
+
 # Layouts of q/k/v/out relative to the op's [B, H, S, D]:
 #   "bhsd" as the op takes it; "bshd" needs a transpose of dims 1 and 2;
 #   "flat" is a 3-D [B*H, S, D] tensor, seen by the op as [B*H, 1, S, D].
@@ -31,7 +33,7 @@ class AttentionSite:
     mask_terms: list = field(default_factory=list)  # (bool node, negated): the op's mask is their AND (``mask`` None)
     is_causal: bool = False
     window_left: int = -1  # with is_causal: keys before i - window_left hidden
-    empty_rows_mean: bool = False  # rows with no visible key average V (a finite fill's result)
+    empty_rows: int = 0  # what rows with no visible key compute (reference.EmptyRows), from the mask's fill
     n_rep: int = 1  # K/V heads repeated in the graph and mapped back to native GQA
     forward_nodes: set = field(default_factory=set)  # the nodes the rewrite makes dead
     notes: list = field(default_factory=list)  # what the matcher recognised, for the report
@@ -51,8 +53,8 @@ class AttentionSite:
             parts.append("is_causal" + (f" window {self.window_left + 1}" if self.window_left >= 0 else ""))
         if self.mask is not None or self.mask_terms:
             parts.append("mask")
-        if self.empty_rows_mean:
-            parts.append("empty rows average V")
+        if self.empty_rows:
+            parts.append(f"empty rows: {EmptyRows(self.empty_rows).name.lower()}")
         return ", ".join(parts)
 
     def has_mask(self) -> bool:
