@@ -187,7 +187,7 @@ def test_generate_under_the_cuda_rules_leaves_decode_steps_to_inductor(compile_o
     monkeypatch.setattr(support, "_kernel_reason", lambda call: None)
     monkeypatch.setitem(support._DEVICE_RULES, "cpu", support._cuda_refusal)
     family = FAMILIES["llama"]
-    prompt_len = 2 * support.DECODE_MAX_QUERY_ROWS  # a prefill long enough for the op
+    prompt_len = support.MIN_KEYS_WITH_MASK  # a prefill long enough for the op
     prompt = {"input_ids": torch.randint(3, VOCAB, (1, prompt_len), generator=torch.Generator().manual_seed(1))}
     settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "cache_implementation": "static"}
     code = {}

@@ -143,7 +143,7 @@ def _decode_hand_written(q, k, v):
     return _scores(q, k).softmax(-1) @ v
 
 
-SEQ_K = 64
+SEQ_K = support.MIN_KEYS_WITH_MASK  # long enough that only the decode rule speaks
 DECODE_CASES = [(1, "refused"), (support.DECODE_MAX_QUERY_ROWS, "refused"), (support.DECODE_MAX_QUERY_ROWS + 1, "rewritten")]
 
 
@@ -172,6 +172,34 @@ def test_decode_rule_reads_the_size_hint_of_a_symbolic_sq(cuda_rules, seq_q, ver
 def test_decode_refusal_is_explained(cuda_rules):
     text = str(fa2_inductor.explain(_decode_sdpa, *qkv(seq_q=1, seq_k=SEQ_K)))
     assert "refused: decode_step (Sq=1 query rows: the kernel's 128-row tile and no split-KV" in text, text
+
+
+def _key_padded_sdpa(q, k, v):
+    keep = torch.ones(q.shape[0], 1, 1, k.shape[-2], dtype=torch.bool)
+    keep[0, ..., -3:] = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+SHORT_CASES = [(_decode_sdpa, support.MIN_KEYS - 1, "refused"), (_decode_sdpa, support.MIN_KEYS, "rewritten"),
+               (_key_padded_sdpa, support.MIN_KEYS_WITH_MASK - 1, "refused"),
+               (_key_padded_sdpa, support.MIN_KEYS_WITH_MASK, "rewritten")]
+
+
+@pytest.mark.parametrize("fn, seq, verdict", SHORT_CASES, ids=["plain-short", "plain", "masked-short", "masked"])
+def test_short_sequences_stay_with_inductor_on_cuda(cuda_rules, fn, seq, verdict):
+    compile_and_compare(fn, *qkv(seq_q=seq, seq_k=seq), rewrites=int(verdict == "rewritten"))
+    assert pass_counts().get("refused:short_sequence", 0) == int(verdict == "refused"), pass_counts()
+
+
+def test_dense_additive_masks_stay_with_inductor_on_cuda(cuda_rules):
+    """A bias with no structure (T5's relative positions) would be read per score: Inductor keeps it."""
+
+    def biased(q, k, v):
+        bias = torch.arange(k.shape[-2], dtype=q.dtype) * -0.01
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.expand(q.shape[-2], -1))
+
+    compile_and_compare(biased, *qkv(seq_q=SEQ_K, seq_k=SEQ_K), rewrites=0)
+    assert pass_counts() == {"refused:dense_additive_mask": 1}
 
 
 @pytest.mark.parametrize("fn", [_decode_sdpa, _decode_hand_written], ids=["sdpa", "hand_written"])

@@ -18,6 +18,13 @@ from .site import AttentionSite
 _OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Decode steps stay with Inductor on CUDA: 128 query rows per CTA and no split-KV idle >= 87% of each tile at Sq <= 16.
 DECODE_MAX_QUERY_ROWS = 16
+# Short sequences stay with Inductor on CUDA: below these key counts the op's fixed cost per call (its
+# launches: a mask's pre-pass, the empty-row passes) outweighs what its kernel saves. Measured with
+# ``python -m fa2_inductor.bench --sites`` (H200, bf16, GPU time per call against SDPA with Hugging Face's
+# dense mask): with a mask the op is never slower from 256 keys on (head dims 64 and 128, 12-32 heads; at
+# 128 keys 0.99-1.31x), without one from 128 on (at 64 keys 1.04-1.08x).
+MIN_KEYS = 128
+MIN_KEYS_WITH_MASK = 256
 
 
 def _hint(size) -> int:
@@ -69,10 +76,17 @@ def _cuda_refusal(call: OpCall) -> Optional[tuple[str, str]]:
     reason = _kernel_reason(call)
     if reason is not None:
         return "kernel_unsupported", reason
-    seq_q = _hint(call.q.shape[-2])
+    seq_q, seq_k = _hint(call.q.shape[-2]), _hint(call.k.shape[-2])
     if seq_q <= DECODE_MAX_QUERY_ROWS:
         return "decode_step", (f"Sq={seq_q} query rows: the kernel's 128-row tile and no split-KV make it "
                                "slower than Inductor here")
+    min_keys = MIN_KEYS if call.mask is None else MIN_KEYS_WITH_MASK
+    if seq_k < min_keys:
+        return "short_sequence", (f"Sk={seq_k} keys{' with a mask' if call.mask is not None else ''}: below "
+                                  f"{min_keys} the op's fixed cost per call makes it slower than Inductor")
+    if call.mask is not None and call.mask.dtype != torch.bool:
+        return "dense_additive_mask", ("an additive mask with no proven structure is read per score; the "
+                                       "kernel is slower than Inductor's attention there")
     return None
 
 
