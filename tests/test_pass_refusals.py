@@ -232,17 +232,17 @@ def _causal_sdpa(q, k, v):
 
 def test_masked_training_stays_with_inductor_on_cuda(cuda_training_rules):
     """The masked backward would run the op's reference: slower than Inductor's own, so the site stays."""
-    compile_and_compare(_padded_sdpa, *qkv(seq_q=32, train=True), rewrites=0, train=True)
+    compile_and_compare(_padded_sdpa, *qkv(seq_q=SEQ_K, train=True), rewrites=0, train=True)
     assert pass_counts() == {"refused:backward_unsupported": 1}
 
 
 def test_training_with_a_fast_backward_is_rewritten_on_cuda(cuda_training_rules):
-    compile_and_compare(_causal_sdpa, *qkv(seq_q=32, train=True), rewrites=1, train=True)
+    compile_and_compare(_causal_sdpa, *qkv(seq_q=SEQ_K, train=True), rewrites=1, train=True)
 
 
 def test_masked_inference_is_rewritten_on_cuda(cuda_training_rules):
     """The backward rule is for training graphs only: the forward kernel takes the mask."""
-    compile_and_compare(_padded_sdpa, *qkv(seq_q=32), rewrites=1)
+    compile_and_compare(_padded_sdpa, *qkv(seq_q=SEQ_K), rewrites=1)
 
 
 def test_masks_have_no_fast_backward_on_cuda():
