@@ -127,6 +127,20 @@ def test_cpu_refuses_paper_sized_shapes(capsys):
     assert "tiny shapes" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [[], ["--quick"], ["--masks"]], ids=["sweep", "quick", "masks"])
+def test_without_cuda_the_gpu_modes_say_so_in_one_line(monkeypatch, argv):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    message = str(exit_info.value.code)
+    assert "\n" not in message and "needs a CUDA GPU" in message and bench.CPU_SMOKE_FLAGS in message
+
+
+def test_the_cpu_smoke_flags_pass_the_cpu_shape_limit():
+    args = bench.parse_args(bench.CPU_SMOKE_FLAGS.split())
+    assert args.device == "cpu" and args.head_dims == [8, 16]
+
+
 # ---------------------------------------------------------------- timing
 
 
@@ -355,3 +369,13 @@ def test_a_wrong_cell_makes_the_exit_status_fail(monkeypatch, tmp_path):
     assert "WRONG" in stdout
     record = json.loads((tmp_path / "r.json").read_text())["results"][0]
     assert record["measurements"]["fa2_inductor"]["status"] == "WRONG" and record["ratios"] == {}
+
+
+def test_end_to_end_benchmark_without_cuda_says_so_in_one_line(monkeypatch):
+    from fa2_inductor import bench_e2e
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        bench_e2e.main([])
+    message = str(exit_info.value.code)
+    assert "\n" not in message and "needs a CUDA GPU" in message and "--tiny" in message
