@@ -1,9 +1,11 @@
-"""State every test starts from, the long-test switch, and the fixtures shared by the graph-pass tests."""
+"""State every test starts from, the long-test switch, the hang guard, and the graph-pass fixtures."""
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -16,6 +18,13 @@ import fa2_inductor
 # must not change what a later test compiles.
 _TORCH_CONFIGS = ("torch._inductor.config", "torch._functorch.config", "torch._dynamo.config", "torch.compiler.config")
 LONG_TESTS_VARIABLE = "FA2_INDUCTOR_LONG_TESTS"
+# The hang guard (scripts/hopper_check.sh sets both): a test running longer than FA2_INDUCTOR_TEST_TIMEOUT_S
+# seconds ends the process with every thread's stack in PROGRESS/hang_stacks.txt, even from inside a CUDA
+# call that never returns. PROGRESS/finished lists each finished test with its outcome, PROGRESS/running
+# the one under way; a rerun with the same folder leaves out what finished and the tests listed in
+# PROGRESS/hung (where the script moves a hung test).
+_TIMEOUT_S = float(os.environ.get("FA2_INDUCTOR_TEST_TIMEOUT_S") or 0)
+_PROGRESS = Path(os.environ["FA2_INDUCTOR_TEST_PROGRESS"]) if os.environ.get("FA2_INDUCTOR_TEST_PROGRESS") else None
 
 
 def _torch_configs() -> list:
@@ -70,10 +79,55 @@ def cpu_pass(monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` run only with FA2_INDUCTOR_LONG_TESTS=1 or when ``-m`` names them."""
-    if os.environ.get(LONG_TESTS_VARIABLE) == "1" or "slow" in (config.getoption("markexpr") or ""):
+    """Tests marked ``slow`` run only with FA2_INDUCTOR_LONG_TESTS=1 or when ``-m`` names them; with a
+    progress folder, tests that already finished or hung there are left out."""
+    if not (os.environ.get(LONG_TESTS_VARIABLE) == "1" or "slow" in (config.getoption("markexpr") or "")):
+        skip = pytest.mark.skip(reason=f"long test: run with {LONG_TESTS_VARIABLE}=1 or -m slow")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
+    if _PROGRESS is not None:
+        done = {line.split("\t", 1)[1] for line in _progress_lines("finished")} | set(_progress_lines("hung"))
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
+        items[:] = [item for item in items if item.nodeid not in done]
+
+
+def _progress_lines(name: str) -> list[str]:
+    path = _PROGRESS / name
+    return path.read_text().splitlines() if path.exists() else []
+
+
+_outcomes: dict[str, str] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _TIMEOUT_S <= 0:
+        yield
         return
-    skip = pytest.mark.skip(reason=f"long test: run with {LONG_TESTS_VARIABLE}=1 or -m slow")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    dump = None  # without a progress folder the stacks go to stderr
+    if _PROGRESS is not None:
+        _PROGRESS.mkdir(parents=True, exist_ok=True)
+        (_PROGRESS / "running").write_text(item.nodeid)
+        dump = open(_PROGRESS / "hang_stacks.txt", "w")  # only the test under way: a hang leaves its stacks
+    faulthandler.dump_traceback_later(_TIMEOUT_S, exit=True, **({"file": dump} if dump else {}))
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        if dump is not None:
+            dump.close()
+    if _PROGRESS is not None:
+        with open(_PROGRESS / "finished", "a") as finished:
+            finished.write(f"{_outcomes.pop(item.nodeid, 'passed')}\t{item.nodeid}\n")
+        (_PROGRESS / "running").unlink()
+
+
+def pytest_runtest_logreport(report):
+    """The test's outcome for the progress folder: failed if any phase failed, else skipped or passed."""
+    if _PROGRESS is None:
+        return
+    if report.failed:
+        _outcomes[report.nodeid] = "failed"
+    elif report.skipped and _outcomes.get(report.nodeid) != "failed":
+        _outcomes[report.nodeid] = "skipped"
