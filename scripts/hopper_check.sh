@@ -9,7 +9,8 @@
 # Stages (default: all but demo):
 #   env         GPU, driver, Python, torch, nvcc, setuptools, CUTLASS, test dependencies -> env.txt
 #   build       the README's build, FA2_INDUCTOR_BUILD_CUDA=1 pip install -v --no-build-isolation -e .
-#               -> build.log (with the -Xptxas=-v report), ptxas.txt (registers, spills, C7510/C7512), info.txt
+#               -> build.log (with the -Xptxas=-v report), ptxas.txt (registers, spills, C7510/C7512), info.txt;
+#               it first removes the object files under build/temp.* (FRESH_BUILD=0 keeps them)
 #   gpu-tests   python -m pytest tests/gpu, each test cut after TEST_TIMEOUT_S (a hang fails that test,
 #               the stacks go to gpu_tests_hangs.txt, the run resumes after it) -> gpu_tests.log
 #   sanitize    compute-sanitizer memcheck and racecheck on scripts/sanitize_cases.py -> sanitize_*.log
@@ -35,6 +36,7 @@ mkdir -p "${1:-./hopper_results}" || exit 2
 RESULTS=$(cd "${1:-./hopper_results}" && pwd)
 cd "$ROOT"
 PY=${PYTHON:-$(command -v python || command -v python3)}
+[[ -n $PY ]] || { echo "no python on PATH (set PYTHON)"; exit 2; }
 STAGES=${STAGES:-env,build,gpu-tests,sanitize,bench,mask-bench,e2e,suite,report}
 BUDGET_S=${BUDGET_S:-3600}
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-300}
@@ -45,12 +47,12 @@ export PYTHONUNBUFFERED=1
 wanted() { [[ ",$STAGES," == *",$1,"* ]]; }
 seconds_left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
 # The stage under way may run until DEADLINE; its function sets RESULT (one line for the summary).
-until_deadline() { echo $(( DEADLINE - $(date +%s) )); }
+until_deadline() { local left=$(( DEADLINE - $(date +%s) )); echo $(( left > 1 ? left : 1 )); }  # timeout 0 = none
 limited() { timeout --kill-after=20 "$(until_deadline)" "$@"; }
 
 record() {  # STAGE STATUS RC WALL RESULT -> one line of stages.jsonl
-  "$PY" -c 'import json, sys; print(json.dumps(dict(zip(("stage", "status", "rc", "wall_s", "result"), sys.argv[1:]))))' \
-    "$@" >> "$RESULTS/stages.jsonl"
+  "$PY" -c 'import json, sys; values = [int(v) if v.isdigit() else v for v in sys.argv[1:]]
+print(json.dumps(dict(zip(("stage", "status", "rc", "wall_s", "result"), values))))' "$@" >> "$RESULTS/stages.jsonl"
   printf '== %s: %s (rc %s, %s s) %s\n' "$@"
 }
 
@@ -109,6 +111,8 @@ PY
 }
 
 stage_build() {
+  # Without the old objects every kernel is compiled again, so build.log holds every ptxas report.
+  [[ ${FRESH_BUILD:-1} == 1 ]] && rm -rf build/temp.*
   FA2_INDUCTOR_BUILD_CUDA=1 limited "$PY" -m pip install -v --no-build-isolation --no-deps -e . > "$RESULTS/build.log" 2>&1
   local rc=$?
   "$PY" scripts/ptxas_report.py "$RESULTS/build.log" > "$RESULTS/ptxas.txt" 2>&1
