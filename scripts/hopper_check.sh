@@ -9,8 +9,8 @@
 # Stages (default: all but demo):
 #   env         GPU, driver, Python, torch, nvcc, setuptools, CUTLASS, test dependencies -> env.txt
 #   build       the README's build, FA2_INDUCTOR_BUILD_CUDA=1 pip install -v --no-build-isolation -e .
-#               -> build.log (with the -Xptxas=-v report), ptxas.txt (registers, spills, C7510/C7512), info.txt;
-#               it first removes the object files under build/temp.* (FRESH_BUILD=0 keeps them)
+#               -> build.log (with the -Xptxas=-v report: pip builds in a fresh temporary folder, so every
+#               kernel is compiled and reported), ptxas.txt (registers, spills, C7510/C7512), info.txt
 #   gpu-tests   python -m pytest tests/gpu, each test cut after TEST_TIMEOUT_S (a hang fails that test,
 #               the stacks go to gpu_tests_hangs.txt, the run resumes after it) -> gpu_tests.log
 #   sanitize    compute-sanitizer memcheck and racecheck on scripts/sanitize_cases.py -> sanitize_*.log
@@ -111,8 +111,6 @@ PY
 }
 
 stage_build() {
-  # Without the old objects every kernel is compiled again, so build.log holds every ptxas report.
-  [[ ${FRESH_BUILD:-1} == 1 ]] && rm -rf build/temp.*
   FA2_INDUCTOR_BUILD_CUDA=1 limited "$PY" -m pip install -v --no-build-isolation --no-deps -e . > "$RESULTS/build.log" 2>&1
   local rc=$?
   "$PY" scripts/ptxas_report.py "$RESULTS/build.log" > "$RESULTS/ptxas.txt" 2>&1
@@ -120,6 +118,8 @@ stage_build() {
   RESULT="$(head -1 "$RESULTS/ptxas.txt"); $(grep -m1 '^kernel:' "$RESULTS/info.txt")"
   if grep -q "CUTLASS headers not found" "$RESULTS/build.log"; then
     RESULT="CUTLASS headers not found: pip install nvidia-cutlass==4.2.0.0, or CUTLASS_DIR=<a CUTLASS checkout>"
+  elif (( rc != 0 )); then
+    RESULT="build failed: $(grep -m1 -iE 'fatal error|error:|configuration error' "$RESULTS/build.log" | sed 's/^ *//' | cut -c1-200)"
   fi
   (( rc != 0 )) && return $rc
   grep -q "^kernel: loaded" "$RESULTS/info.txt" || return 1

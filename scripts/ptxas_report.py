@@ -41,12 +41,23 @@ def kernel_reports(log: str) -> list[dict]:
     return reports
 
 
+def _without_parameters(name: str) -> str:
+    """``void f<A, (B)0>(args)`` -> ``f<A, (B)0>``: the template arguments say which kernel it is."""
+    depth = 0
+    for i, char in enumerate(name):
+        depth += {"<": 1, ">": -1}.get(char, 0)
+        if char == "(" and depth == 0:
+            name = name[:i]
+            break
+    return name.removeprefix("void ")
+
+
 def _readable(names: list[str]) -> list[str]:
-    """Demangled (c++filt) and cut to the kernel's template arguments, where that works."""
+    """Demangled (c++filt, where installed) and without the parameter list."""
     if shutil.which("c++filt") and names:
         result = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True)
         if result.returncode == 0 and len(result.stdout.splitlines()) == len(names):
-            names = result.stdout.splitlines()
+            names = [_without_parameters(name) for name in result.stdout.splitlines()]
     return [re.sub(r"\s+", " ", name)[:160] for name in names]
 
 
