@@ -26,11 +26,10 @@ _aot_cache_before_enable: Optional[bool] = None
 
 def fa2_inductor_backend(gm, example_inputs, mode: Optional[str] = None, options: Optional[dict[str, Any]] = None):
     import torch
+    from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
     from .passes import with_attention_pass
-
-    from torch._functorch import config as functorch_config
 
     options = dict(options or {})
     options[_HOOK] = with_attention_pass(options.get(_HOOK, getattr(inductor_config, _HOOK)))
