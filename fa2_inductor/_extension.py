@@ -1,7 +1,8 @@
 """Loads the compiled kernel module ``fa2_inductor._C`` if it is there and usable.
 
 Importing it never initialises CUDA. A missing or broken build is not an error: the op then runs its
-reference implementation, and one warning says why and how to rebuild.
+reference implementation, and one warning says why and how to rebuild (for a missing build only where a
+CUDA device exists).
 """
 
 from __future__ import annotations
@@ -27,9 +28,21 @@ def _load() -> tuple[Optional[ModuleType], str]:
         return None, f"fa2_inductor._C failed to load ({exc}); it was probably built for another torch"
 
 
+def _cuda_device_present() -> bool:
+    """Whether the machine shows a CUDA device. Asked through NVML, which unlike ``torch.cuda.is_available()``
+    neither initialises the CUDA driver in this process nor makes a later fork unsafe."""
+    if torch.version.cuda is None:
+        return False
+    count_through_nvml = getattr(torch.cuda, "_device_count_nvml", None)
+    if count_through_nvml is None:  # cannot tell without initialising CUDA: assume a device
+        return True
+    return count_through_nvml() > 0  # -1: no NVML, i.e. no NVIDIA driver
+
+
 C, status = _load()
 
-if C is None and (torch.version.cuda is not None or "failed to load" in status):
+# A missing build matters only where the kernel could run; a broken one is worth saying everywhere.
+if C is None and ("failed to load" in status or _cuda_device_present()):
     warnings.warn(
         f"{status}. fa2_inductor uses its reference implementation (slow on GPU). "
         f"To build the Hopper kernel: {REBUILD_COMMAND}",

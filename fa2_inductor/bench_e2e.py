@@ -32,7 +32,7 @@ from torch._dynamo.utils import counters
 
 from . import config as fa2_config
 from . import hf
-from .bench import environment, time_calls, write_json, zoo
+from .bench import environment, exit_without_cuda, time_calls, write_json, zoo
 from .bench.timing import keep_busy
 
 BASELINE = "sdpa + Inductor"
@@ -185,6 +185,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> list:
     args = parse_args(argv)
+    if not args.tiny:
+        exit_without_cuda("python -m fa2_inductor.bench_e2e", "python -m fa2_inductor.bench_e2e --tiny")
     if args.zoo:
         return zoo.main(args)
     hf.register()

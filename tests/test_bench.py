@@ -7,6 +7,7 @@ import io
 import json
 import math
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +126,20 @@ def test_cpu_refuses_paper_sized_shapes(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cpu"])
     assert "tiny shapes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["--quick"], ["--masks"]], ids=["sweep", "quick", "masks"])
+def test_without_cuda_the_gpu_modes_say_so_in_one_line(monkeypatch, argv):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    message = str(exit_info.value.code)
+    assert "\n" not in message and "needs a CUDA GPU" in message and bench.CPU_SMOKE_FLAGS in message
+
+
+def test_the_cpu_smoke_flags_pass_the_cpu_shape_limit():
+    args = bench.parse_args(bench.CPU_SMOKE_FLAGS.split())
+    assert args.device == "cpu" and args.head_dims == [8, 16]
 
 
 # ---------------------------------------------------------------- timing
@@ -355,3 +370,66 @@ def test_a_wrong_cell_makes_the_exit_status_fail(monkeypatch, tmp_path):
     assert "WRONG" in stdout
     record = json.loads((tmp_path / "r.json").read_text())["results"][0]
     assert record["measurements"]["fa2_inductor"]["status"] == "WRONG" and record["ratios"] == {}
+
+
+def test_end_to_end_benchmark_without_cuda_says_so_in_one_line(monkeypatch):
+    from fa2_inductor import bench_e2e
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        bench_e2e.main([])
+    message = str(exit_info.value.code)
+    assert "\n" not in message and "needs a CUDA GPU" in message and "--tiny" in message
+
+
+# ---------------------------------------------------------------- the results document
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _environment(**extra):
+    return {"fa2_inductor": "0.1.0", "torch": "2.11.0", "cuda": "13.0", "gpu": "NVIDIA H200", "capability": "sm_90",
+            "cudnn": 91900, "git_commit": "0123456789abcdef", "started_utc": "2026-11-30T15:00:00+00:00", **extra}
+
+
+def test_results_document_has_a_section_per_benchmark_kind(tiny_run, tmp_path):
+    from fa2_inductor.bench import results
+
+    _, _, out_dir = tiny_run
+    masks = {"environment": _environment(), "mask_rows": [
+        {"row": "padding S=2048", "ours_ms": 0.265, "other": "ours no mask", "other_ms": 0.257, "speedup": 0.97,
+         "prepass_ms": 0.003}]}
+    e2e_result = {"phase": "prefill", "seqlen": 2048, "error": None, "counters": {}}
+    e2e = {"environment": _environment(), "settings": {"reps": 10},
+           "model": {"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 8, "num_hidden_layers": 4,
+                     "dtype": "torch.bfloat16", "batch": 1},
+           "results": [{**e2e_result, "variant": "sdpa + Inductor", "median_ms": 2.0},
+                       {**e2e_result, "variant": "fa2_inductor (sdpa attn)", "median_ms": 1.6,
+                        "counters": {"rewrites": 4, "rewrites:is_causal": 4}}]}
+    check = {"environment": _environment(), "stages": [
+        {"stage": "build", "status": "ok", "rc": 0, "wall_s": 70, "result": "ptxas: 48 kernels, 0 with spills"}]}
+    paths = []
+    for name, doc in (("masks", masks), ("e2e", e2e), ("check", check), ("other", {"something": 1})):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(doc))
+    text = results.render([out_dir / "r.json", *paths])
+
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    assert [h.split(" (")[0] for h in headings] == [
+        "## Build, tests and sanitizer", "## Forward kernel against SDPA", "## Masks", "## End to end"]
+    assert "cuDNN 9.19.0" in text and "at commit 0123456789" in text and "2026-11-30 15:00:00 UTC" in text
+    assert "| bf16 | 8 | no | 8 |" in text  # the tiny sweep's first cell
+    assert "| padding S=2048 | 0.265 | ours no mask | 0.257 | 0.97 | 0.003 |" in text
+    assert "| fa2_inductor (sdpa attn) | 1.60 | 1.25 | 4 is_causal |" in text
+    assert "| build | ok | 0 | 70 | ptxas: 48 kernels, 0 with spills |" in text
+    assert "Not a benchmark JSON this version reads: " in text and "other.json" in text
+
+
+def test_docs_results_is_regenerated_from_docs_measurements():
+    from fa2_inductor.bench import results
+
+    paths = sorted((ROOT / "docs" / "measurements").glob("*.json"))
+    expected = results.render(paths, [p.relative_to(ROOT).as_posix() for p in paths])
+    assert (ROOT / "docs" / "results.md").read_text() == expected, (
+        "docs/results.md is stale: python -m fa2_inductor.bench.results docs/measurements/*.json > docs/results.md"
+    )

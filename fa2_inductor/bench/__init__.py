@@ -17,7 +17,8 @@ The FLOP count, the timers and the JSON helpers are importable for other benchma
 
 from .cases import CAUSAL_CHOICES, DTYPES, PAPER_HIDDEN, PAPER_TOKENS, Cell, attention_flops, random_input_sets
 from .cases import sweep_cells, tflops
-from .cli import FULL_SWEEP, QUICK_SWEEP, main, parse_args, replot, run, run_settings
+from .cli import CPU_SMOKE_FLAGS, FULL_SWEEP, QUICK_SWEEP, exit_without_cuda, main, parse_args, replot, run
+from .cli import run_settings
 from .implementations import DEFAULT_IMPLS, FA2, IMPLEMENTATIONS, TOLERANCES, NotAvailable, attention_by_hand
 from .implementations import compare_to_reference, sdpa_reference
 from .masks import mask_rows
@@ -29,7 +30,8 @@ from .timing import TIME_BUDGET_MS, affordable_counts, input_set_count, time_cal
 __all__ = [
     "CAUSAL_CHOICES", "DTYPES", "PAPER_HIDDEN", "PAPER_TOKENS", "Cell", "attention_flops", "random_input_sets",
     "sweep_cells", "tflops",
-    "FULL_SWEEP", "QUICK_SWEEP", "main", "parse_args", "replot", "run", "run_settings",
+    "CPU_SMOKE_FLAGS", "FULL_SWEEP", "QUICK_SWEEP", "exit_without_cuda", "main", "parse_args", "replot", "run",
+    "run_settings",
     "DEFAULT_IMPLS", "FA2", "IMPLEMENTATIONS", "TOLERANCES", "NotAvailable", "attention_by_hand",
     "compare_to_reference", "sdpa_reference",
     "mask_rows",

@@ -42,6 +42,16 @@ QUICK_SWEEP = {
 }
 # CPU runs exist to test the benchmark's logic; bigger problems would only make the test slow.
 _MAX_CPU_SCORES = 1 << 22
+CPU_SMOKE_FLAGS = "--device cpu --tokens 64 --hidden 32 --seqlens 16 32 --head-dims 8 16"
+
+
+def exit_without_cuda(command: str, cpu_alternative: str) -> None:
+    """One line instead of a traceback where a GPU benchmark is asked for on a machine without CUDA."""
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            f"{command} times the Hopper kernel and needs a CUDA GPU (none visible here); "
+            f"to try its logic on the CPU: {cpu_alternative}"
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help=f"a small sweep: {QUICK_SWEEP}; explicit flags still win")
     parser.add_argument("--tokens", type=int, default=PAPER_TOKENS, help="batch·seqlen (default %(default)s)")
     parser.add_argument("--hidden", type=int, default=PAPER_HIDDEN, help="heads·head_dim (default %(default)s)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda", help="default %(default)s; cpu only tests the benchmark's logic")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("fa2_bench.json"), help="default %(default)s")
     parser.add_argument("--plot", type=Path, default=Path("fa2_bench.png"), help="default %(default)s")
@@ -108,10 +118,7 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     if torch.device(args.device).type == "cpu" and args.replot is None:
         cells = sweep_cells(args.seqlens, args.head_dims, args.dtypes, (False,), args.tokens, args.hidden)
         if max(c.batch * c.heads * c.seqlen * c.seqlen for c in cells) > _MAX_CPU_SCORES:
-            parser.error(
-                "on the CPU the benchmark only tests its own logic; give tiny shapes, "
-                "e.g. --tokens 64 --hidden 32 --seqlens 16 32 --head-dims 8 16"
-            )
+            parser.error(f"on the CPU the benchmark only tests its own logic; give tiny shapes, e.g. {CPU_SMOKE_FLAGS}")
 
 
 def run_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -157,6 +164,9 @@ def replot(json_path: Path, plot_path: Path) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit status 1 when any implementation was WRONG or failed, so a script running the sweep notices."""
     args = parse_args(argv)
+    if args.replot is None and (args.masks or args.sites or torch.device(args.device).type == "cuda"):
+        mode = " --masks" if args.masks else (" --sites" if args.sites else "")
+        exit_without_cuda(f"python -m fa2_inductor.bench{mode}", f"python -m fa2_inductor.bench {CPU_SMOKE_FLAGS}")
     if args.masks:
         return mask_rows(args)
     if args.sites:

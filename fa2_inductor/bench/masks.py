@@ -172,7 +172,7 @@ def mask_rows(args: argparse.Namespace) -> int:
     """
     device = torch.device(args.device)
     if device.type != "cuda":
-        print("--masks needs a CUDA device")
+        print("--masks times the masked Hopper kernel: it needs --device cuda")
         return 1
     rows = _MaskRows(args, device)
     env = environment(device)

@@ -106,8 +106,6 @@ def crossovers(cells: list[SiteCell]) -> dict:
 
 
 def run_sites(args) -> list[SiteCell]:
-    if not torch.cuda.is_available():
-        raise SystemExit("--sites needs a CUDA GPU (it times the Hopper kernel against SDPA)")
     cells = []
     print(f"{'shape':<26}{'mask':<20}{'B x S':>12}{'op us':>10}{'sdpa us':>10}{'op/sdpa':>9}")
     for shape in HEAD_SHAPES:

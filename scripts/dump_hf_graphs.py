@@ -1,6 +1,6 @@
-"""Prints the ATen op chain of every distinct attention site in the tiny HF models (notes/hf_graphs.md).
+"""Prints the ATen op chain of every distinct attention site in the tiny HF models (docs/hf_graphs.md).
 
-    python notes/dump_hf_graphs.py [family ...] [--impl eager|sdpa] [--train] [--dtype bfloat16]
+    python scripts/dump_hf_graphs.py [family ...] [--impl eager|sdpa] [--train] [--dtype bfloat16] [--device cuda]
 
 Graphs are traced by AOTAutograd with Inductor's decomposition table, so they show the ops the
 fa2_inductor pass sees. For each softmax (amax after decomposition) / SDPA node the script prints its backward slice (stopping at
@@ -97,10 +97,10 @@ def attention_chains(gm: torch.fx.GraphModule) -> list[list[str]]:
     return chains
 
 
-def dump(family_name: str, impl: str, train: bool, dtype: torch.dtype) -> str:
+def dump(family_name: str, impl: str, train: bool, dtype: torch.dtype, device: torch.device) -> str:
     family = FAMILIES[family_name]
-    model = family.build(impl, dtype=dtype)
-    inputs = family.make_inputs(model.config, torch.device("cpu"))
+    model = family.build(impl, dtype=dtype, device=device)
+    inputs = family.make_inputs(model.config, device)
     inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
     graphs = []
 
@@ -117,7 +117,7 @@ def dump(family_name: str, impl: str, train: bool, dtype: torch.dtype) -> str:
         with torch.no_grad():
             compiled(**inputs)
     mode = "train" if train else "inference"
-    lines = [f"### {family_name} / {impl} / {mode} / {str(dtype).replace('torch.', '')}  ({len(graphs)} graph(s))"]
+    lines = [f"### {family_name} / {impl} / {mode} / {str(dtype).replace('torch.', '')} / {device.type}  ({len(graphs)} graph(s))"]
     for gi, gm in enumerate(graphs):
         for ci, chain in enumerate(attention_chains(gm)):
             lines.append(f"-- graph {gi}, distinct site {ci}")
@@ -131,11 +131,12 @@ def main() -> None:
     parser.add_argument("--impl", choices=("eager", "sdpa"), action="append")
     parser.add_argument("--train", action="store_true")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--device", default="cpu", help="cuda shows the CUDA SDPA overloads (default %(default)s)")
     args = parser.parse_args()
     for name in args.families:
         for impl in args.impl or ("eager", "sdpa"):
             torch._dynamo.reset()
-            print(dump(name, impl, args.train, getattr(torch, args.dtype)), flush=True)
+            print(dump(name, impl, args.train, getattr(torch, args.dtype), torch.device(args.device)), flush=True)
 
 
 if __name__ == "__main__":

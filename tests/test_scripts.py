@@ -1,0 +1,53 @@
+"""The Hopper check's plumbing: the ptxas report, and a run of scripts/hopper_check.sh where no GPU is."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PTXAS_LOG = """\
+ptxas info    : Compiling entry function '_Z4kernILi64EEvPf' for 'sm_90a'
+ptxas info    : Function properties for _Z4kernILi64EEvPf
+    144 bytes stack frame, 144 bytes spill stores, 144 bytes spill loads
+ptxas info    : Used 32 registers, used 0 barriers, 144 bytes cumulative stack size
+ptxas warning : (C7510) Potential Performance Loss: wgmma.mma_async instructions are serialized
+ptxas info    : Compiling entry function '_Z4kernILi4EEvPf' for 'sm_90a'
+ptxas info    : Function properties for _Z4kernILi4EEvPf
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers
+"""
+
+
+def test_ptxas_report_counts_entries_spills_and_serialised_wgmma(tmp_path):
+    log = tmp_path / "build.log"
+    log.write_text(PTXAS_LOG)
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "ptxas_report.py"), str(log)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "ptxas: 2 kernel entries, 1 with spills, 1 C7510/C7512 (wgmma serialised) warnings, 32-168 registers"
+    assert any(line.split()[:4] == ["32", "144", "144", "144"] for line in lines)
+    assert any(line.split()[:4] == ["168", "0", "0", "0"] for line in lines)
+
+
+@pytest.mark.slow
+def test_hopper_check_writes_its_summary_where_there_is_no_gpu(tmp_path):
+    env = {**os.environ, "STAGES": "env,gpu-tests,report", "PYTHON": sys.executable,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "hopper_check.sh"), str(tmp_path / "results")],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr  # a failing stage never fails the run
+    results = tmp_path / "results"
+    stages = json.loads((results / "summary.json").read_text())["stages"]
+    assert [s["stage"] for s in stages] == ["env", "gpu-tests", "report"]
+    assert all(s["status"] in ("ok", "FAILED") and s["wall_s"] for s in stages)
+    summary = (results / "summary.md").read_text()
+    assert "| stage | status | rc | wall s | result |" in summary and "| report | ok |" in summary
+    assert (results / "results.md").read_text().startswith("# Measured results")
