@@ -9,7 +9,7 @@ template <int HeadDim, bool Causal>
 struct TileConfig;
 
 // Ping-pong: the two consumer warpgroups take turns issuing their GEMMs (named barriers), so one
-// warpgroup's softmax runs under the other's GEMMs. Defaults from the run-3 sweep (KERNEL_NOTES.md):
+// warpgroup's softmax runs under the other's GEMMs. Defaults from a tile sweep (docs/design.md):
 // on for D=64/128, off for D=256. FA2_PINGPONG=0/1 forces every head dim.
 #ifdef FA2_PINGPONG
 #define FA2_PINGPONG_HDIM64 FA2_PINGPONG
