@@ -51,3 +51,8 @@ def register_sharding_rules_with_dtensor() -> None:
         _register_sharding_rules()
     elif not any(isinstance(finder, _AfterDTensorImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AfterDTensorImport())
+
+
+from .ring import gather_sequence, ring_attention, shard_sequence  # noqa: E402  (torch.distributed only: cheap)
+
+__all__ = ["gather_sequence", "register_sharding_rules_with_dtensor", "ring_attention", "shard_sequence"]

@@ -121,7 +121,7 @@ def _placements(call: _Call, kind: str, output_roles: tuple) -> list:
         mask_shard = _mask_placement(mask_shape, dim, q_shape[dim])
         mask = mask_shard or Replicate()
         mask_grad = mask_shard or Partial()
-    if mask_shape is None or not call.get("compute_mask_grad"):
+    if "mask_grad" in output_roles and (mask_shape is None or not call.get("compute_mask_grad")):
         mask_grad = Replicate()  # the op returns an empty placeholder
     by_output_role = {"query": query, "key": key_grad, "mask_grad": mask_grad}
     by_input_role = {"query": query, "key": key, "mask": mask}
