@@ -15,19 +15,19 @@ import fa2_inductor
 from fa2_inductor.distributed import gather_sequence, ring_attention, shard_sequence
 
 
-def _check(world_size, *, batch=2, q_heads=4, kv_heads=2, seq_per_rank=6, head_dim=8, is_causal, dtype=torch.float32):
+def _check(group, *, batch=2, q_heads=4, kv_heads=2, seq_per_rank=6, head_dim=8, is_causal, dtype=torch.float32):
     gen = torch.Generator().manual_seed(0)
-    seq = seq_per_rank * world_size
+    seq = seq_per_rank * dist.get_world_size(group)
     full = [
         torch.randn(batch, heads, seq, head_dim, generator=gen, dtype=dtype)
         for heads in (q_heads, kv_heads, kv_heads)
     ]
     grad_out = torch.randn(batch, q_heads, seq, head_dim, generator=gen, dtype=dtype)
 
-    local = [shard_sequence(t).requires_grad_() for t in full]
-    out = ring_attention(*local, is_causal=is_causal)
-    out.backward(shard_sequence(grad_out))
-    got = [gather_sequence(out.detach())] + [gather_sequence(t.grad) for t in local]
+    local = [shard_sequence(t, group).requires_grad_() for t in full]
+    out = ring_attention(*local, group=group, is_causal=is_causal)
+    out.backward(shard_sequence(grad_out, group))
+    got = [gather_sequence(t, group) for t in [out.detach()] + [t.grad for t in local]]
 
     ref_inputs = [t.clone().requires_grad_() for t in full]
     ref_out = fa2_inductor.flash_attention(*ref_inputs, is_causal=is_causal)
@@ -37,36 +37,53 @@ def _check(world_size, *, batch=2, q_heads=4, kv_heads=2, seq_per_rank=6, head_d
         torch.testing.assert_close(g, w, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def causal_gqa(world_size):
-    _check(world_size, is_causal=True)
+def causal_gqa(group):
+    _check(group, is_causal=True)
 
 
-def non_causal_gqa(world_size):
-    _check(world_size, is_causal=False)
+def non_causal_gqa(group):
+    _check(group, is_causal=False)
 
 
-def causal_mqa(world_size):
-    _check(world_size, q_heads=4, kv_heads=1, is_causal=True)
+def causal_mqa(group):
+    _check(group, q_heads=4, kv_heads=1, is_causal=True)
 
 
-def causal_wider_heads(world_size):
-    _check(world_size, is_causal=True, seq_per_rank=16, head_dim=16)
+def causal_wider_heads(group):
+    _check(group, is_causal=True, seq_per_rank=16, head_dim=16)
 
 
-def causal_long_local_slices(world_size):
-    _check(world_size, batch=1, seq_per_rank=64, is_causal=True)
+def causal_long_local_slices(group):
+    _check(group, batch=1, seq_per_rank=64, is_causal=True)
 
 
 CASES = [causal_gqa, non_causal_gqa, causal_mqa, causal_wider_heads, causal_long_local_slices]
 
 
+def groups(rank: int, world_size: int) -> dict:
+    """The process groups every case runs on: the whole world, each rank alone, and with more than 2 ranks the
+    last two (global ranks that are not group ranks). Every rank creates every group, in the same order."""
+    named = {"world": dist.group.WORLD}
+    if world_size > 2:
+        last_two = dist.new_group([world_size - 2, world_size - 1])
+        if rank >= world_size - 2:
+            named["last_two"] = last_two
+    for r in range(world_size):
+        group = dist.new_group([r])
+        if r == rank:
+            named["alone"] = group
+    return named
+
+
 def run_all(rank: int, world_size: int) -> dict:
+    """{"case@group": None if it passed, else the traceback} for the groups this rank belongs to."""
     results = {}
-    for case in CASES:
-        try:
-            case(world_size)
-            results[case.__name__] = None
-        except Exception:
-            results[case.__name__] = traceback.format_exc()
-        dist.barrier()
+    for group_name, group in groups(rank, world_size).items():
+        for case in CASES:
+            try:
+                case(group)
+                results[f"{case.__name__}@{group_name}"] = None
+            except Exception:
+                results[f"{case.__name__}@{group_name}"] = traceback.format_exc()
+    dist.barrier()
     return results

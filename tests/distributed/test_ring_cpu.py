@@ -1,6 +1,13 @@
-"""Ring attention (context parallel) on 1, 2 and 3 CPU ranks (gloo) against the op on the full sequence."""
+"""Ring attention (context parallel) on CPU ranks (gloo) against the op on the full sequence.
+
+Every case runs on the 2-rank world of the shared launch (conftest.two_cpu_ranks) and on each rank alone; with
+FA2_INDUCTOR_TEST_DISTRIBUTED_CPU=1 also on a 3-rank world and on a group of its last two ranks (global ranks
+that differ from group ranks).
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -12,19 +19,33 @@ if not (dist.is_available() and dist.is_gloo_available()):
 from tests.distributed import ring_cases  # noqa: E402
 from tests.distributed.launch import run_ranks  # noqa: E402
 
-WORLD_SIZES = (1, 2, 3)
+CASE_NAMES = [c.__name__ for c in ring_cases.CASES]
+
+
+def _assert_passed(results_per_rank: list, key: str) -> None:
+    ran = [rank for rank, results in enumerate(results_per_rank) if key in results]
+    assert ran, f"{key} ran on no rank"
+    for rank in ran:
+        assert results_per_rank[rank][key] is None, f"rank {rank}:\n{results_per_rank[rank][key]}"
+
+
+@pytest.mark.parametrize("group", ("world", "alone"))
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_ring_attention_two_ranks(case, group, two_cpu_ranks):
+    _assert_passed([r["ring"] for r in two_cpu_ranks], f"{case}@{group}")
 
 
 @pytest.fixture(scope="module")
-def results():
-    return {n: run_ranks(ring_cases.run_all, n, timeout_s=300) for n in WORLD_SIZES}
+def three_cpu_ranks():
+    if os.environ.get("FA2_INDUCTOR_TEST_DISTRIBUTED_CPU") != "1":
+        pytest.skip("another 3-process launch: set FA2_INDUCTOR_TEST_DISTRIBUTED_CPU=1")
+    return run_ranks(ring_cases.run_all, 3, timeout_s=300)
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("case", [c.__name__ for c in ring_cases.CASES])
-def test_ring_attention(case, world_size, results):
-    for rank, per_case in enumerate(results[world_size]):
-        assert per_case[case] is None, f"rank {rank} of {world_size}:\n{per_case[case]}"
+@pytest.mark.parametrize("group", ("world", "last_two"))
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_ring_attention_three_ranks(case, group, three_cpu_ranks):
+    _assert_passed(three_cpu_ranks, f"{case}@{group}")
 
 
 def test_causal_needs_an_even_local_length():

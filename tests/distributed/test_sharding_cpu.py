@@ -1,6 +1,6 @@
 """The op's DTensor sharding rules on 2 CPU ranks (gloo), and their lazy registration.
 
-One launch runs every case of tests/distributed/sharding_cases.py on both ranks (processes start once);
+One launch (conftest.two_cpu_ranks) runs every case of tests/distributed/sharding_cases.py on both ranks;
 each case is reported as its own test.
 """
 
@@ -17,20 +17,12 @@ if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
 from tests.distributed import sharding_cases  # noqa: E402
-from tests.distributed.launch import run_ranks  # noqa: E402
-
-WORLD_SIZE = 2
-
-
-@pytest.fixture(scope="module")
-def results_per_rank():
-    return run_ranks(sharding_cases.run_all, WORLD_SIZE, timeout_s=300)
 
 
 @pytest.mark.parametrize("case", [c.__name__ for c in sharding_cases.CASES])
-def test_sharding_case(case, results_per_rank):
-    for rank, results in enumerate(results_per_rank):
-        assert results[case] is None, f"rank {rank}:\n{results[case]}"
+def test_sharding_case(case, two_cpu_ranks):
+    for rank, results in enumerate(two_cpu_ranks):
+        assert results["sharding"][case] is None, f"rank {rank}:\n{results['sharding'][case]}"
 
 
 def _run_python(code: str) -> None:
