@@ -26,9 +26,14 @@ import fa2_inductor
 from fa2_inductor.distributed.ring import gather_sequence, ring_attention, shard_sequence
 
 
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _inputs(seq: int, heads: int, head_dim: int, dtype, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(1, heads, seq, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(4)]
+    """q, k, v, grad_out [1, heads, seq, head_dim], the same on every rank."""
+    gen = torch.Generator(device=_device()).manual_seed(seed)
+    return [torch.randn(1, heads, seq, head_dim, device=_device(), dtype=dtype, generator=gen) for _ in range(4)]
 
 
 def _relative_error(got, want) -> float:
@@ -44,7 +49,8 @@ def _forward_backward(fn, q, k, v, grad_out):
 
 
 def accuracy(seq: int, heads: int, head_dim: int) -> dict:
-    """Relative errors of (out, dq, dk, dv) against float32 math: ring on all ranks vs the op on one GPU."""
+    """Relative errors of (out, dq, dk, dv) against float32 math: ring on all ranks vs the op on one GPU
+    (on CPU ranks too: the op's reference path)."""
     q, k, v, grad_out = _inputs(seq, heads, head_dim, torch.bfloat16)
     exact = _forward_backward(
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q.float(), k.float(), v.float(), grad_out.float()

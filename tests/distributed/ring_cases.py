@@ -68,6 +68,7 @@ def inside_a_compiled_function(group):
         return ring_attention(q * 2, k, v, group=group, is_causal=True).sin()
 
     q = local[0].clone().requires_grad_()
+    torch._dynamo.reset()  # Dynamo does not guard on the process group a compiled function closes over
     out = torch.compile(attend, backend="aot_eager")(q, *local[1:])
     out.sum().backward()
     ref_q = local[0].clone().requires_grad_()
@@ -77,7 +78,16 @@ def inside_a_compiled_function(group):
     torch.testing.assert_close(q.grad, ref_q.grad)
 
 
-CASES = [inside_a_compiled_function, causal_gqa, non_causal_gqa, causal_mqa, causal_wider_heads, causal_long_local_slices]
+def bf16_within_twice_the_one_device_error(group):
+    """The benchmark's accuracy check (bf16, against float32 math) on these ranks, default group only."""
+    from fa2_inductor.distributed import bench_cp
+
+    if group is dist.group.WORLD:
+        errors = bench_cp.accuracy(seq=8 * dist.get_world_size(), heads=2, head_dim=16)
+        assert bench_cp.accuracy_problems({"accuracy": errors}) == [], errors
+
+
+CASES = [inside_a_compiled_function, bf16_within_twice_the_one_device_error, causal_gqa, non_causal_gqa, causal_mqa, causal_wider_heads, causal_long_local_slices]
 
 
 def groups(rank: int, world_size: int) -> dict:
