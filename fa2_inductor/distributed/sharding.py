@@ -138,7 +138,7 @@ def _heads_stay_grouped(call: _Call):
     q_index, k_index = names.index("q"), names.index("k")
     kv_heads = call.shape("k")[HEAD_DIM]
 
-    def check(input_specs, output_specs) -> bool:
+    def check(input_specs) -> bool:
         q_shards = _shard_count(input_specs[q_index], HEAD_DIM)
         k_shards = _shard_count(input_specs[k_index], HEAD_DIM)
         if k_shards == 1:
@@ -153,13 +153,16 @@ def _strategy(output_roles: tuple, op_schema: OpSchema) -> OpStrategy:
     kinds = [_REPLICATE, _BATCH, _HEADS]
     if call.shape("k")[HEAD_DIM] == 1:
         kinds.append(_QUERY_HEADS)
-    return expand_to_full_mesh_op_strategy(
+    strategy = expand_to_full_mesh_op_strategy(
         op_schema.get_mesh_from_args(validate=False),
         op_schema,
         [_placements(call, kind, output_roles) for kind in kinds],
         input_index=len(output_roles),
-        is_valid_strategy_cb=_heads_stay_grouped(call),
     )
+    # Filtered here rather than through the expansion's callback, whose name differs between torch versions.
+    keep = _heads_stay_grouped(call)
+    strategy.strategies[:] = [spec for spec in strategy.strategies if keep(spec.input_specs)]
+    return strategy
 
 
 def _schema_info(op: torch._ops.OpOverload) -> RuntimeSchemaInfo:
