@@ -109,33 +109,51 @@ def _block(ring: _Ring, step: int, is_causal: bool, local_len: int):
     return slice(half, local_len), everything, False
 
 
-def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
-    """out, lse (float32 accumulators, updated in place) absorb one block's normalised output and LSE."""
+def _rows(x: Tensor, rows: slice, dim: int = SEQ_DIM) -> Tensor:
+    return x.narrow(dim, rows.start, rows.stop - rows.start)
+
+
+def _with_rows(x: Tensor, rows: slice, value: Tensor, dim: int = SEQ_DIM) -> Tensor:
+    """x with ``rows`` along ``dim`` replaced by value (out of place: the accumulators stay functional, which
+    torch.compile traces correctly where it traces the ring at all)."""
+    return x.slice_scatter(value, dim=dim, start=rows.start, end=rows.stop)
+
+
+def _converted(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x in dtype, never a no-op ``.to()``: torch 2.11's Dynamo loses the gradient of an autograd.Function
+    whose output is such an alias of an intermediate."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, lse) float32 accumulators merged with one block's normalised output and LSE."""
     new_lse = torch.logaddexp(lse, block_lse)
     finite = torch.where(torch.isfinite(new_lse), new_lse, torch.zeros_like(new_lse))
     old_weight = torch.exp(lse - finite).unsqueeze(-1)
     block_weight = torch.exp(block_lse - finite).unsqueeze(-1)
-    out.mul_(old_weight).add_(block_out.float() * block_weight)
-    lse.copy_(new_lse)
+    return out * old_weight + block_out.float() * block_weight, new_lse
 
 
 def _forward(q, k, v, scale, is_causal, ring):
     local_len = q.shape[SEQ_DIM]
-    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])
+    out = lse = None
     for step in range(ring.size):
         if step + 1 < ring.size:
             next_kv, exchange = ring.start_exchange(kv)
         rows, keys, causal = _block(ring, step, is_causal, local_len)
         block_out, block_lse = torch.ops.fa2_inductor.flash_attention_fwd(
-            q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], None, scale, causal
+            _rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys), None, scale, causal
         )
-        _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+        if out is None:  # step 0 covers every row
+            out, lse = _converted(block_out, torch.float32), block_lse
+        else:
+            merged_out, merged_lse = _merge(_rows(out, rows), _rows(lse, rows), block_out, block_lse)
+            out, lse = _with_rows(out, rows, merged_out), _with_rows(lse, rows, merged_lse)
         if step + 1 < ring.size:
             exchange.wait()
             kv = next_kv
-    return out.to(q.dtype), lse
+    return _converted(out, q.dtype), lse
 
 
 def _backward(grad_out, q, k, v, out, lse, scale, is_causal, ring):
@@ -151,12 +169,12 @@ def _backward(grad_out, q, k, v, out, lse, scale, is_causal, ring):
         rows, keys, causal = _block(ring, step, is_causal, local_len)
         # With the final out and LSE, each block's backward gives its exact share of the gradients.
         block_dq, block_dk, block_dv, _ = torch.ops.fa2_inductor.flash_attention_bwd(
-            grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
-            out[:, :, rows], lse[:, :, rows], None, scale, causal, False,
+            _rows(grad_out, rows), _rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys),
+            _rows(out, rows), _rows(lse, rows), None, scale, causal, False,
         )
-        dq[:, :, rows] += block_dq
-        dkv[0][:, :, keys] += block_dk
-        dkv[1][:, :, keys] += block_dv
+        dq = _with_rows(dq, rows, _rows(dq, rows) + block_dq)
+        kv_dim = SEQ_DIM + 1  # dkv is [2, B, H, S, D]
+        dkv = _with_rows(dkv, keys, _rows(dkv, keys, kv_dim) + torch.stack([block_dk, block_dv]), kv_dim)
         if ring.size > 1:
             dkv, dkv_exchange = ring.start_exchange(dkv)
         if not last:
