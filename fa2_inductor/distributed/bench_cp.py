@@ -92,18 +92,20 @@ def speed(seq: int, heads: int, head_dim: int, warmup: int, iters: int) -> dict:
     local = [shard_sequence(t) for t in (q, k, v, grad_out)]
     ours = _time(lambda: _forward_backward(lambda q, k, v: ring_attention(q, k, v, is_causal=True), *local), warmup, iters)
 
-    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
-    buffers = [t.clone() for t in (q, k, v, grad_out)]
-    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2]):
-        theirs = _time(
-            lambda: _forward_backward(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *buffers),
-            warmup, iters,
-        )
-        # Same head-tail layout on both sides: the local outputs must agree.
-        cp_out = _forward_backward(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *buffers)[0]
-    ring_out = ring_attention(*local[:3], is_causal=True)
-    agreement = _relative_error(ring_out, cp_out)
-    del buffers, cp_out, ring_out
+    theirs = agreement = error = None
+    try:
+        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+        buffers = [t.clone() for t in (q, k, v, grad_out)]
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2]):
+            sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+            theirs = _time(lambda: _forward_backward(sdpa, *buffers), warmup, iters)
+            cp_out = _forward_backward(sdpa, *buffers)[0]
+        # Same head-tail layout on both sides: the local outputs agree up to rounding.
+        with torch.no_grad():
+            agreement = _relative_error(ring_attention(*local[:3], is_causal=True), cp_out)
+        del buffers, cp_out
+    except Exception as e:  # PyTorch's context parallel is experimental: keep our numbers if it fails
+        error = f"{type(e).__name__}: {e}"[:500]
 
     one_gpu = None
     if dist.get_rank() == 0:
@@ -116,6 +118,7 @@ def speed(seq: int, heads: int, head_dim: int, warmup: int, iters: int) -> dict:
         "seq": seq,
         "ring_fa2_inductor_s": ours,
         "torch_cp_sdpa_s": theirs,
+        "torch_cp_error": error,
         "one_gpu_fa2_inductor_s": one_gpu,
         "ring_vs_torch_cp_out_rel_diff": agreement,
     }
@@ -129,11 +132,13 @@ def table(result: dict) -> str:
         "tokens | ring on fa2_inductor (ours) | PyTorch CP + SDPA | speedup | one GPU, fa2_inductor | out rel. diff ours vs PyTorch CP",
     ]
     for row in result["speed"]:
-        seq = row["seq"]
-        one = f"{seq / row['one_gpu_fa2_inductor_s']:,.0f}" if row["one_gpu_fa2_inductor_s"] else "-"
+        seq, ours, theirs, one = row["seq"], row["ring_fa2_inductor_s"], row["torch_cp_sdpa_s"], row["one_gpu_fa2_inductor_s"]
+        if theirs is None:
+            lines.append(f"{seq} | {seq / ours:,.0f} | failed: {row['torch_cp_error']} | - | {seq / one:,.0f} | -")
+            continue
         lines.append(
-            f"{seq} | {seq / row['ring_fa2_inductor_s']:,.0f} | {seq / row['torch_cp_sdpa_s']:,.0f} | "
-            f"{row['torch_cp_sdpa_s'] / row['ring_fa2_inductor_s']:.2f}x | {one} | {row['ring_vs_torch_cp_out_rel_diff']:.1e}"
+            f"{seq} | {seq / ours:,.0f} | {seq / theirs:,.0f} | {theirs / ours:.2f}x | {seq / one:,.0f} | "
+            f"{row['ring_vs_torch_cp_out_rel_diff']:.1e}"
         )
     lines.append(f"accuracy at {c['accuracy_seq']} tokens (relative error vs float32 math): ring | one GPU")
     for name, errors in result["accuracy"].items():

@@ -100,9 +100,11 @@ def main(results_dir: str) -> int:
         print(tp_table(tp), counters_table(tp, "Tensor parallel, 2 ranks"), sep="\n\n", end="\n\n")
         problems += [f"TP: {p}" for p in tp_problems(tp)]
     for path in sorted(folder.glob("cp_*.json")):
-        from fa2_inductor.distributed.bench_cp import table as cp_table
+        from fa2_inductor.distributed import bench_cp
 
-        print(cp_table(json.loads(path.read_text())), end="\n\n")
+        cp = json.loads(path.read_text())
+        print(bench_cp.table(cp), end="\n\n")
+        problems += [f"CP ({path.name}): {p}" for p in bench_cp.accuracy_problems(cp)]
     print("\n".join(problems) if problems else "all checks passed")
     return 1 if problems else 0
 
