@@ -30,6 +30,7 @@ SEQ_DIM = 2  # [B, H, S, D]
 
 
 def _chunk_order(world_size: int, rank: int) -> tuple[int, int]:
+    """Which two of the sequence's 2N chunks a rank holds, in its local order."""
     return rank, 2 * world_size - 1 - rank
 
 
@@ -49,8 +50,8 @@ def gather_sequence(x: Tensor, group: Optional[dist.ProcessGroup] = None) -> Ten
     dist.all_gather(slices, x.contiguous(), group=group)
     chunks: list[Optional[Tensor]] = [None] * (2 * world_size)
     for rank, piece in enumerate(slices):
-        first, second = piece.chunk(2, dim=SEQ_DIM)
-        chunks[rank], chunks[2 * world_size - 1 - rank] = first, second
+        for index, chunk in zip(_chunk_order(world_size, rank), piece.chunk(2, dim=SEQ_DIM)):
+            chunks[index] = chunk
     return torch.cat(chunks, dim=SEQ_DIM)
 
 
