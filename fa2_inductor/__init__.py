@@ -11,5 +11,8 @@ __all__ = ["EmptyRows", "attention_reference", "config", "flash_attention"]
 __version__ = "0.1.0"
 from .backend import disable, enable, enabled
 from .explain import explain
+from .distributed import register_sharding_rules_with_dtensor
+
+register_sharding_rules_with_dtensor()
 
 __all__ += ["disable", "enable", "enabled", "explain"]
