@@ -1,0 +1,168 @@
+// Attention masks in the backward kernel. The forward's pre-pass (mask_prepass.hpp) classifies the
+// mask's (query tile x key tile) blocks at the backward's tile sizes; list_query_blocks then turns each
+// key tile's column of classes into the list of query tiles its CTA visits (fully masked ones left
+// out), and rank_key_blocks gives the deterministic mode its turn order. Partial blocks apply the mask
+// element by element on the S^T fragment; additive masks that require grad also add dS into a float32
+// gradient buffer.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "mask.hpp"
+#include "params.h"
+#include "softmax.hpp"  // acc_rowcol_layout, quad_sum
+
+namespace fa2 {
+
+using namespace cute;
+
+// The masked backward's view of the mask: the forward's pre-pass outputs plus the column lists, the
+// deterministic mode's turn ranks and the optional mask gradient.
+struct BwdMaskArgs {
+  MaskArgs classes;      // pre-pass outputs at the backward's tile sizes (block classes, bool bits)
+  const int32_t* lists;  // [CB * CH, N, num_m_blocks + 1]: count, then m_block * 2 + partial, ascending
+  const int32_t* ranks;  // [CB * CH, CM, N]: visited key tiles before this one (deterministic turns)
+  float* dmask;          // float32 gradient of an additive mask, or null
+  int64_t dmask_batch_stride, dmask_head_stride, dmask_row_stride, dmask_col_stride;
+};
+struct NoBwdMaskArgs {};
+template <MaskKind Kind> struct BwdMaskArgsFor { using type = BwdMaskArgs; };
+template <> struct BwdMaskArgsFor<MaskKind::kNone> { using type = NoBwdMaskArgs; };
+
+constexpr int kMaskListWarps = 4;  // columns (or class rows) per CTA of the list kernels
+
+// One warp per (class slice, key tile) column: the query tiles whose block is not fully masked,
+// ascending. A row-broadcast mask (one class row) gives every query tile that row's class.
+template <int kWarps>
+__global__ void __launch_bounds__(32 * kWarps)
+list_query_blocks(const MaskArgs mk, int32_t* lists, int num_m_blocks, int64_t columns) {
+  const int64_t column = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (column >= columns) return;  // whole warps leave together
+  const int lane = threadIdx.x % 32;
+  const int64_t slice = column / mk.num_n_blocks;
+  const int n_block = int(column - slice * mk.num_n_blocks);
+  int32_t* list = lists + column * (num_m_blocks + 1);
+  int count = 0;
+  for (int base = 0; base < num_m_blocks; base += 32) {
+    const int m_block = base + lane;
+    int cls = 0;
+    if (m_block < num_m_blocks) {
+      const int64_t row = slice * mk.class_m_blocks + (mk.row_broadcast ? 0 : m_block);
+      cls = mk.block_class[row * mk.num_n_blocks + n_block];
+    }
+    const uint32_t visited = __ballot_sync(0xffffffffu, cls != 0);
+    if (cls != 0) list[1 + count + __popc(visited & ((1u << lane) - 1u))] = m_block * 2 + (cls == 2 ? 1 : 0);
+    count += __popc(visited);
+  }
+  if (lane == 0) list[0] = count;
+}
+
+// One warp per class row: for every key tile, how many visited key tiles precede it in that row.
+template <int kWarps>
+__global__ void __launch_bounds__(32 * kWarps) rank_key_blocks(const MaskArgs mk, int32_t* ranks, int64_t class_rows) {
+  const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (row >= class_rows) return;
+  const int lane = threadIdx.x % 32;
+  const uint8_t* classes = mk.block_class + row * mk.num_n_blocks;
+  int32_t* out = ranks + row * mk.num_n_blocks;
+  int count = 0;
+  for (int base = 0; base < mk.num_n_blocks; base += 32) {
+    const int n_block = base + lane;
+    const int cls = n_block < mk.num_n_blocks ? classes[n_block] : 0;
+    const uint32_t visited = __ballot_sync(0xffffffffu, cls != 0);
+    if (n_block < mk.num_n_blocks) out[n_block] = count + __popc(visited & ((1u << lane) - 1u));
+    count += __popc(visited);
+  }
+}
+
+// Bool masks, partial blocks: zero P where the pre-pass's bit is clear. s_rc / c_rc: the thread's
+// S^T fragment and its (key, query) tile coordinates in (rows = keys, cols = queries) view. A thread's
+// two keys lie in one aligned group of 16 (GMMA accumulator layout), so one 32-bit word per query
+// holds both bits.
+template <int kBlockM, int kBlockN, class TensorS, class TensorC>
+CUTE_DEVICE void apply_mask_bits(TensorS& s_rc, const TensorC& c_rc, const MaskArgs& mk, int m_block, int n_block,
+                                 int head, int batch) {
+  static_assert(decltype(size<0>(s_rc))::value == 2, "two key rows per thread");
+  const int64_t row_words = int64_t(mk.num_n_blocks) * (kBlockN / 32);
+  const uint32_t* words = mk.bits + mk.class_slice(batch, head) * mk.bit_rows * row_words +
+                          n_block * (kBlockN / 32) + get<0>(c_rc(0, 0)) / 32;
+  CUTE_UNROLL
+  for (int c = 0; c < size<1>(s_rc); ++c) {
+    const int64_t row = mk.row_broadcast ? 0 : int64_t(m_block) * kBlockM + get<1>(c_rc(0, c));
+    const uint32_t word = words[row * row_words];
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      if (!((word >> (get<0>(c_rc(r, c)) % 32)) & 1u)) s_rc(r, c) = 0.f;
+    }
+  }
+}
+
+// Additive masks, partial blocks: adds the mask value (as float) to each in-range element of the
+// (already scaled) S^T fragment `x`. Rows past Sq and keys past Sk are never read.
+template <class E, class TensorS, class TensorC>
+CUTE_DEVICE void add_mask_values_transposed(TensorS& x, const TensorC& tScS, const E* base, const MaskArgs& mk,
+                                            int m0, int n0, int seqlen_q, int seqlen_k) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(x); ++i) {
+    const int key = n0 + get<0>(tScS(i));
+    const int query = m0 + get<1>(tScS(i));
+    if (query < seqlen_q && key < seqlen_k) {
+      x(i) += float(base[int64_t(query) * mk.row_stride + int64_t(key) * mk.col_stride]);
+    }
+  }
+}
+
+template <class TensorS, class TensorC>
+CUTE_DEVICE void add_additive_mask(TensorS& x, const TensorC& tScS, const MaskArgs& mk, int batch, int head, int m0,
+                                   int n0, int seqlen_q, int seqlen_k) {
+  const int64_t offset = int64_t(batch) * mk.batch_stride + int64_t(head) * mk.head_stride;
+  if (mk.dtype == int(MaskDType::kF32)) {
+    add_mask_values_transposed(x, tScS, static_cast<const float*>(mk.ptr) + offset, mk, m0, n0, seqlen_q, seqlen_k);
+  } else if (mk.dtype == int(MaskDType::kBF16)) {
+    add_mask_values_transposed(x, tScS, static_cast<const cutlass::bfloat16_t*>(mk.ptr) + offset, mk, m0, n0,
+                               seqlen_q, seqlen_k);
+  } else {
+    add_mask_values_transposed(x, tScS, static_cast<const cutlass::half_t*>(mk.ptr) + offset, mk, m0, n0, seqlen_q,
+                               seqlen_k);
+  }
+}
+
+// Gradient of an additive mask: dS of every in-range element added into the float32 buffer, whose
+// zero strides sum the broadcast dims. A mask shared by all query rows (zero row stride) gets each
+// thread's queries, then its quad's, summed first: one atomic per key and quad instead of one per query.
+template <class TensorDS, class TensorC>
+CUTE_DEVICE void add_mask_gradient(const BwdMaskArgs& mk, TensorDS& tdS, const TensorC& tScS, int batch, int head,
+                                   int m0, int n0, int seqlen_q, int seqlen_k) {
+  float* base = mk.dmask + int64_t(batch) * mk.dmask_batch_stride + int64_t(head) * mk.dmask_head_stride;
+  if (mk.dmask_row_stride == 0) {
+    Tensor ds_rc = make_tensor(tdS.data(), acc_rowcol_layout(tdS.layout()));
+    Tensor c_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+    CUTE_UNROLL
+    for (int r = 0; r < size<0>(ds_rc); ++r) {
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(ds_rc); ++c) {
+        if (m0 + get<1>(c_rc(r, c)) < seqlen_q) sum += ds_rc(r, c);
+      }
+      sum = quad_sum(sum);
+      const int key = n0 + get<0>(c_rc(r, 0));
+      if (threadIdx.x % 4 == 0 && key < seqlen_k && sum != 0.f) {
+        atomicAdd(base + int64_t(key) * mk.dmask_col_stride, sum);
+      }
+    }
+  } else {
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdS); ++i) {
+      const int key = n0 + get<0>(tScS(i));
+      const int query = m0 + get<1>(tScS(i));
+      if (query < seqlen_q && key < seqlen_k && tdS(i) != 0.f) {
+        atomicAdd(base + int64_t(query) * mk.dmask_row_stride + int64_t(key) * mk.dmask_col_stride, tdS(i));
+      }
+    }
+  }
+}
+
+}  // namespace fa2
