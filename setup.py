@@ -76,8 +76,8 @@ def selected_instantiations() -> tuple[list[str], list[str]]:
     head_dims = set(_env_list("FA2_INDUCTOR_HEAD_DIMS", DEFAULT_HEAD_DIMS))
     dtypes = set(_env_list("FA2_INDUCTOR_DTYPES", DEFAULT_DTYPES))
     sources, defines = [], set()
-    for path in sorted(INSTANTIATIONS.glob("fwd_hdim*_*.cu")):
-        match = re.match(r"fwd_hdim(\d+)_([a-z0-9]+)", path.stem)
+    for path in sorted(INSTANTIATIONS.glob("[fb]wd_hdim*_*.cu")):  # forward and backward kernels
+        match = re.match(r"[fb]wd_hdim(\d+)_([a-z0-9]+)", path.stem)
         if match and match[1] in head_dims and match[2] in dtypes:
             sources.append(str(path.relative_to(ROOT)))
             defines.add(f"-DFA2_INDUCTOR_KERNEL_HDIM{match[1]}_{match[2].upper()}")

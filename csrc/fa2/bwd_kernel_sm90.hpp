@@ -99,7 +99,7 @@ bwd_kernel_sm90(CUTE_GRID_CONSTANT const BwdKernelArgs<Traits> args) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     const int warp = threadIdx.x / 32;
     if (warp == 0) {
-      if (threadIdx.x == 0 && steps > 0) bwd_load<T>(args, smem, pipe_q, pipe_do, n_block, head_kv, batch);
+      if (steps > 0) bwd_load<T>(args, smem, pipe_q, pipe_do, n_block, head_kv, batch);
     } else if (warp == 1) {
       if constexpr (T::kStagedDq) bwd_dq_writer<T>(args, smem, n_block, head_kv, batch, steps);
     }

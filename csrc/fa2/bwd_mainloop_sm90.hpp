@@ -141,9 +141,28 @@ CUTE_DEVICE void bulk_reduce_add(float* gmem, const float* smem, int bytes) {
 }
 CUTE_DEVICE void bulk_wait_complete() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
+// Named barrier kBase + warpgroup with the id as an immediate in each branch (no register holds it).
+template <int kBase>
+CUTE_DEVICE void warpgroup_barrier_sync(int wg, int threads) {
+  if (wg == 0) {
+    cutlass::arch::NamedBarrier::sync(threads, kBase);
+  } else {
+    cutlass::arch::NamedBarrier::sync(threads, kBase + 1);
+  }
+}
+template <int kBase>
+CUTE_DEVICE void warpgroup_barrier_arrive(int wg, int threads) {
+  if (wg == 0) {
+    cutlass::arch::NamedBarrier::arrive(threads, kBase);
+  } else {
+    cutlass::arch::NamedBarrier::arrive(threads, kBase + 1);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
-// Producer: one thread issues every load. K and V once (one barrier); per step the Q tile with its LSE
-// rows on the Q pipeline and the dO tile with its D rows on the dO pipeline.
+// Producer: warp 0 walks the schedule (warp-uniform, so its bookkeeping stays in uniform registers)
+// and lane 0 issues every load. K and V once (one barrier); per step the Q tile with its LSE rows on
+// the Q pipeline and the dO tile with its D rows on the dO pipeline.
 template <class Traits>
 CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                           typename Traits::PipelineQ& pipe_q, typename Traits::PipelineDO& pipe_do, int n_block,
@@ -162,9 +181,12 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
                          make_coord(n_block, _0{}));
   auto [tKgK, tKsK] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
   auto [tVgV, tVsV] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_kv, 2 * T::kBytesKV);
-  copy(args.tma_k.with(smem.barrier_kv, 0), tKgK, tKsK);
-  copy(args.tma_v.with(smem.barrier_kv, 0), tVgV, tVsV);
+  const bool leader = threadIdx.x % 32 == 0;  // the pipelines' leader (is_leader) too
+  if (leader) {
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_kv, 2 * T::kBytesKV);
+    copy(args.tma_k.with(smem.barrier_kv, 0), tKgK, tKsK);
+    copy(args.tma_v.with(smem.barrier_kv, 0), tVgV, tVsV);
+  }
 
   Tensor mQ = args.tma_q.get_tma_tensor(args.shape_q);
   Tensor mDO = args.tma_do.get_tma_tensor(args.shape_q);
@@ -185,17 +207,21 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
       const int64_t stats_row = query_tile_index<T>(args, batch, head, m_block) * T::kBlockM;
 
       pipe_q.producer_acquire(write_q);
-      uint64_t* bar_q = pipe_q.producer_get_barrier(write_q);
-      copy(args.tma_q.with(*bar_q, 0), tQgQ(_, m_block), tQsQ(_, write_q.index()));
-      SM90_BULK_COPY_G2S::copy(args.lse + stats_row, bar_q, smem.lse.data() + write_q.index() * T::kBlockM,
-                               T::kBytesRowStats);
+      if (leader) {
+        uint64_t* bar_q = pipe_q.producer_get_barrier(write_q);
+        copy(args.tma_q.with(*bar_q, 0), tQgQ(_, m_block), tQsQ(_, write_q.index()));
+        SM90_BULK_COPY_G2S::copy(args.lse + stats_row, bar_q, smem.lse.data() + write_q.index() * T::kBlockM,
+                                 T::kBytesRowStats);
+      }
       ++write_q;
 
       pipe_do.producer_acquire(write_do);
-      uint64_t* bar_do = pipe_do.producer_get_barrier(write_do);
-      copy(args.tma_do.with(*bar_do, 0), tDOgDO(_, m_block), tDOsDO(_, write_do.index()));
-      SM90_BULK_COPY_G2S::copy(args.dsum + stats_row, bar_do, smem.dsum.data() + write_do.index() * T::kBlockM,
-                               T::kBytesRowStats);
+      if (leader) {
+        uint64_t* bar_do = pipe_do.producer_get_barrier(write_do);
+        copy(args.tma_do.with(*bar_do, 0), tDOgDO(_, m_block), tDOsDO(_, write_do.index()));
+        SM90_BULK_COPY_G2S::copy(args.dsum + stats_row, bar_do, smem.dsum.data() + write_do.index() * T::kBlockM,
+                                 T::kBytesRowStats);
+      }
       ++write_do;
     }
   }
@@ -213,6 +239,7 @@ CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Trait
   constexpr int kSyncThreads = 128 + 32;
   const bool leader = threadIdx.x % 32 == 0;
   if (steps == 0) return;
+  CUTE_UNROLL
   for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
     cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);  // staging starts empty
   }
@@ -229,6 +256,7 @@ CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Trait
         fence_proxy_async_global();
       }
       ++step;
+      CUTE_UNROLL
       for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
         cutlass::arch::NamedBarrier::sync(kSyncThreads, kBwdBarrierDqFull + wg);
         if (leader) {
@@ -315,7 +343,7 @@ CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::Shar
   static_assert(decltype(size(tdQrdQ))::value == T::kDqFloatsPerThread);
   if constexpr (T::kStagedDq) {
     constexpr int kSyncThreads = 128 + 32;
-    cutlass::arch::NamedBarrier::sync(kSyncThreads, kBwdBarrierDqEmpty + wg);
+    warpgroup_barrier_sync<kBwdBarrierDqEmpty>(wg, kSyncThreads);
     float* stage = smem.dq.data();
     CUTE_UNROLL
     for (int i = 0; i < T::kDqFloatsPerThread; i += 4) {
@@ -323,13 +351,13 @@ CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::Shar
           make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
     }
     cutlass::arch::fence_view_async_shared();  // st.shared visible to the bulk reduction
-    cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqFull + wg);
+    warpgroup_barrier_arrive<kBwdBarrierDqFull>(wg, kSyncThreads);
   } else {
     float* accum = args.dq_accum + tile * T::kDqFloats;
     int32_t* counter = args.dq_sem + tile;
     if (args.deterministic) {
       if (t == 0) wait_turn(counter, 2 * turn);
-      cutlass::arch::NamedBarrier::sync(128, kBwdBarrierDqTurn + wg);
+      warpgroup_barrier_sync<kBwdBarrierDqTurn>(wg, 128);
     }
     CUTE_UNROLL
     for (int i = 0; i < T::kDqFloatsPerThread; i += 4) {
@@ -337,7 +365,7 @@ CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::Shar
                 make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3)));
     }
     if (args.deterministic) {
-      cutlass::arch::NamedBarrier::sync(128, kBwdBarrierDqTurn + wg);
+      warpgroup_barrier_sync<kBwdBarrierDqTurn>(wg, 128);
       if (t == 0) {
         __threadfence();
         atomicAdd(counter, 1);

@@ -1,0 +1,3 @@
+// Backward kernel, head dim 128, bf16, causal (top-left).
+#include "../fa2/bwd_launch.hpp"
+FA2_INSTANTIATE_BWD(128, kBF16, true, kNone)

@@ -1,0 +1,3 @@
+// Backward kernel, head dim 128, fp16, no mask.
+#include "../fa2/bwd_launch.hpp"
+FA2_INSTANTIATE_BWD(128, kFP16, false, kNone)

@@ -1,0 +1,3 @@
+// Backward kernel, head dim 64, bf16, causal (top-left).
+#include "../fa2/bwd_launch.hpp"
+FA2_INSTANTIATE_BWD(64, kBF16, true, kNone)
