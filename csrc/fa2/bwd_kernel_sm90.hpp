@@ -67,7 +67,7 @@ bwd_kernel_sm90(CUTE_GRID_CONSTANT const BwdKernelArgs<Traits> args) {
   const int n_block = bwd_key_block<T>(args);
   const int head_kv = blockIdx.y;
   const int batch = blockIdx.z;
-  const int steps = total_steps<T>(args, n_block, head_kv, batch);
+  const int steps = bwd_schedule<T>(args, n_block, head_kv, batch).count;
 
   if (threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
@@ -101,7 +101,7 @@ bwd_kernel_sm90(CUTE_GRID_CONSTANT const BwdKernelArgs<Traits> args) {
     if (warp == 0) {
       if (steps > 0) bwd_load<T>(args, smem, pipe_q, pipe_do, n_block, head_kv, batch);
     } else if (warp == 1) {
-      if constexpr (T::kStagedDq) bwd_dq_writer<T>(args, smem, n_block, head_kv, batch, steps);
+      if constexpr (T::kStagedDq) bwd_dq_writer<T>(args, smem, n_block, head_kv, batch);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kMmaRegs>();

@@ -66,7 +66,9 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   int32_t* dq_sem = reinterpret_cast<int32_t*>(ws + plan.workspace.sem_offset);
   const int num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
   const int num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
-  if (num_m_blocks > 65535 || p.heads_q > 65535 || p.batch > 65535) return cudaErrorInvalidConfiguration;
+  if (num_m_blocks > 65535 || p.heads_q > 65535 || p.batch > 65535 || p.heads_q / p.heads_kv >= kMaxHeadRatio) {
+    return cudaErrorInvalidConfiguration;  // grid limits; step entries name 16-bit query tiles, 14-bit heads
+  }
 
   // 1. D = rowsum(dO * O), LSE rows, zeroed dQ accumulator and turn counters.
   BwdPreprocessArgs pre{p.o, p.dout, p.lse,

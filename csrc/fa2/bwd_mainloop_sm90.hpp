@@ -25,23 +25,28 @@ using namespace cute;
 // ---------------------------------------------------------------------------------------------
 // Schedule: the query tiles a CTA visits, shared by the producer, the MMA warpgroups and the writer.
 
-// Query tiles of one query head, ascending, as entries m_block * 2 + partial. Unmasked: every tile from
-// the first one a key of this tile is visible to (causal) up to the end; `partial` is unused (the
-// tails and the causal diagonal follow from the indices). Masked: the pre-pass's list.
+// The steps of one CTA: (query head of the kv head's group, query tile) pairs, heads outer and query
+// tiles ascending, as entries head_in_group << 17 | m_block << 1 | partial (m_block < 65536). Unmasked:
+// every query tile from the first one a key of this tile is visible to (causal) up to the end, the
+// same for every head; `partial` is unused (tails and the causal diagonal follow from the indices).
+// Masked: the pre-pass's list, fully masked blocks left out.
 template <class Traits>
-struct QueryBlocks {
+struct BwdSchedule {
   const int32_t* entries = nullptr;  // masked kernels only
-  int begin = 0, count = 0;
+  int begin = 0, per_head = 0;       // unmasked kernels only
+  int count = 0;
 
-  CUTE_DEVICE int entry(int i) const {
+  CUTE_DEVICE int entry(int step) const {
     if constexpr (Traits::kMask == MaskKind::kNone) {
-      return (begin + i) * 2;
+      const int head_in_group = step / per_head;
+      return (head_in_group << 17) | ((begin + step - head_in_group * per_head) << 1);
     } else {
-      return entries[i];
+      return entries[step];
     }
   }
-  CUTE_DEVICE static int block(int entry) { return entry >> 1; }
-  CUTE_DEVICE static bool partial(int entry) { return entry & 1; }
+  CUTE_HOST_DEVICE static int head_in_group(int entry) { return entry >> 17; }
+  CUTE_HOST_DEVICE static int block(int entry) { return (entry >> 1) & 0xffff; }
+  CUTE_HOST_DEVICE static bool partial(int entry) { return entry & 1; }
 };
 
 // Top-left causal: query i sees key j iff j <= i, so the key tile n is first seen by query tile
@@ -52,33 +57,19 @@ CUTE_HOST_DEVICE int first_query_block(int n_block) {
 }
 
 template <class Traits>
-CUTE_DEVICE QueryBlocks<Traits> query_blocks(const BwdKernelArgs<Traits>& args, int n_block, int head, int batch) {
-  QueryBlocks<Traits> blocks;
+CUTE_DEVICE BwdSchedule<Traits> bwd_schedule(const BwdKernelArgs<Traits>& args, int n_block, int head_kv, int batch) {
+  BwdSchedule<Traits> schedule;
   if constexpr (Traits::kMask == MaskKind::kNone) {
-    blocks.begin = first_query_block<Traits>(n_block);
-    blocks.count = max(0, args.num_m_blocks - blocks.begin);
+    schedule.begin = first_query_block<Traits>(n_block);
+    schedule.per_head = max(0, args.num_m_blocks - schedule.begin);
+    schedule.count = args.head_ratio * schedule.per_head;
   } else {
-    const BwdMaskArgs& mk = args.mask;
-    const int64_t column = mk.classes.class_slice(batch, head) * args.num_n_blocks + n_block;
-    const int32_t* list = mk.lists + column * (args.num_m_blocks + 1);
-    blocks.count = list[0];
-    blocks.entries = list + 1;
+    const int64_t cta = (int64_t(batch) * (args.heads_q / args.head_ratio) + head_kv) * args.num_n_blocks + n_block;
+    const int32_t* list = args.mask.lists + cta * (int64_t(args.head_ratio) * args.num_m_blocks + 1);
+    schedule.count = list[0];
+    schedule.entries = list + 1;
   }
-  return blocks;
-}
-
-// Steps of one CTA: every visited query tile of every query head of its kv head's group.
-template <class Traits>
-CUTE_DEVICE int total_steps(const BwdKernelArgs<Traits>& args, int n_block, int head_kv, int batch) {
-  if constexpr (Traits::kMask == MaskKind::kNone) {
-    return args.head_ratio * query_blocks<Traits>(args, n_block, head_kv * args.head_ratio, batch).count;
-  } else {
-    int steps = 0;
-    for (int h = 0; h < args.head_ratio; ++h) {
-      steps += query_blocks<Traits>(args, n_block, head_kv * args.head_ratio + h, batch).count;
-    }
-    return steps;
-  }
+  return schedule;
 }
 
 // Deterministic mode: the key tiles adding into one query tile's dQ take turns in a fixed order; this
@@ -111,10 +102,12 @@ CUTE_DEVICE int bwd_key_block(const BwdKernelArgs<Traits>& args) {
   return int(blockIdx.x);
 }
 
-// Index of the (batch, head, query tile) among all query tiles: its dQ partial and turn counter.
+// Index of the (batch, head, query tile) among all query tiles: its LSE/D rows, dQ partial and turn
+// counter. 32 bits suffice: the float32 dQ accumulator holds kBlockM * D floats per tile, so 2^31 tiles
+// could never be allocated.
 template <class Traits>
-CUTE_DEVICE int64_t query_tile_index(const BwdKernelArgs<Traits>& args, int batch, int head, int m_block) {
-  return (int64_t(batch) * args.heads_q + head) * args.num_m_blocks + m_block;
+CUTE_DEVICE int query_tile_index(const BwdKernelArgs<Traits>& args, int batch, int head, int m_block) {
+  return (batch * args.heads_q + head) * args.num_m_blocks + m_block;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -192,38 +185,37 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
   Tensor mDO = args.tma_do.get_tma_tensor(args.shape_q);
   auto write_q = cutlass::make_producer_start_state<typename T::PipelineQ>();
   auto write_do = cutlass::make_producer_start_state<typename T::PipelineDO>();
-  for (int h = 0; h < args.head_ratio; ++h) {
-    const int head = head_kv * args.head_ratio + h;  // GQA/MQA: the group's query heads, K/V never copied
-    const QueryBlocks<T> blocks = query_blocks<T>(args, n_block, head, batch);
-    Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<typename T::TileM, typename T::TileD>{},
-                           make_coord(_, _0{}));  // (M, D, m_blocks)
-    Tensor gDO = local_tile(mDO(_, _, head, batch), Shape<typename T::TileM, typename T::TileD>{},
-                            make_coord(_, _0{}));
-    auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto [tDOgDO, tDOsDO] =
-        tma_partition(args.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sDO), group_modes<0, 2>(gDO));
-    for (int i = 0; i < blocks.count; ++i) {
-      const int m_block = QueryBlocks<T>::block(blocks.entry(i));
-      const int64_t stats_row = query_tile_index<T>(args, batch, head, m_block) * T::kBlockM;
+  const BwdSchedule<T> schedule = bwd_schedule<T>(args, n_block, head_kv, batch);
+  for (int step = 0; step < schedule.count; ++step) {
+    const int entry = schedule.entry(step);
+    const int head = head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);  // K/V never copied
+    const int m_block = BwdSchedule<T>::block(entry);
+    const int stats_row = query_tile_index<T>(args, batch, head, m_block) * T::kBlockM;
 
-      pipe_q.producer_acquire(write_q);
-      if (leader) {
-        uint64_t* bar_q = pipe_q.producer_get_barrier(write_q);
-        copy(args.tma_q.with(*bar_q, 0), tQgQ(_, m_block), tQsQ(_, write_q.index()));
-        SM90_BULK_COPY_G2S::copy(args.lse + stats_row, bar_q, smem.lse.data() + write_q.index() * T::kBlockM,
-                                 T::kBytesRowStats);
-      }
-      ++write_q;
-
-      pipe_do.producer_acquire(write_do);
-      if (leader) {
-        uint64_t* bar_do = pipe_do.producer_get_barrier(write_do);
-        copy(args.tma_do.with(*bar_do, 0), tDOgDO(_, m_block), tDOsDO(_, write_do.index()));
-        SM90_BULK_COPY_G2S::copy(args.dsum + stats_row, bar_do, smem.dsum.data() + write_do.index() * T::kBlockM,
-                                 T::kBytesRowStats);
-      }
-      ++write_do;
+    pipe_q.producer_acquire(write_q);
+    if (leader) {
+      Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<typename T::TileM, typename T::TileD>{},
+                             make_coord(m_block, _0{}));
+      auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      uint64_t* bar_q = pipe_q.producer_get_barrier(write_q);
+      copy(args.tma_q.with(*bar_q, 0), tQgQ, tQsQ(_, write_q.index()));
+      SM90_BULK_COPY_G2S::copy(args.lse + stats_row, bar_q, smem.lse.data() + write_q.index() * T::kBlockM,
+                               T::kBytesRowStats);
     }
+    ++write_q;
+
+    pipe_do.producer_acquire(write_do);
+    if (leader) {
+      Tensor gDO = local_tile(mDO(_, _, head, batch), Shape<typename T::TileM, typename T::TileD>{},
+                              make_coord(m_block, _0{}));
+      auto [tDOgDO, tDOsDO] =
+          tma_partition(args.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sDO), group_modes<0, 2>(gDO));
+      uint64_t* bar_do = pipe_do.producer_get_barrier(write_do);
+      copy(args.tma_do.with(*bar_do, 0), tDOgDO, tDOsDO(_, write_do.index()));
+      SM90_BULK_COPY_G2S::copy(args.dsum + stats_row, bar_do, smem.dsum.data() + write_do.index() * T::kBlockM,
+                               T::kBytesRowStats);
+    }
+    ++write_do;
   }
 }
 
@@ -233,46 +225,44 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
 // the query tile's counter first, and passes the turn on once the reductions have completed.
 template <class Traits>
 CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
-                               int n_block, int head_kv, int batch, int steps) {
+                               int n_block, int head_kv, int batch) {
   using T = Traits;
   constexpr int kHalf = T::kDqFloats / 2;  // one warpgroup's part of a tile's partial
   constexpr int kSyncThreads = 128 + 32;
   const bool leader = threadIdx.x % 32 == 0;
-  if (steps == 0) return;
+  if (bwd_schedule<T>(args, n_block, head_kv, batch).count == 0) return;
   CUTE_UNROLL
   for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
     cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);  // staging starts empty
   }
-  int step = 0;
-  for (int h = 0; h < args.head_ratio; ++h) {
-    const int head = head_kv * args.head_ratio + h;
-    const QueryBlocks<T> blocks = query_blocks<T>(args, n_block, head, batch);
-    for (int i = 0; i < blocks.count; ++i) {
-      const int m_block = QueryBlocks<T>::block(blocks.entry(i));
-      const int64_t tile = query_tile_index<T>(args, batch, head, m_block);
-      float* accum = args.dq_accum + tile * T::kDqFloats;
-      if (args.deterministic && leader) {
-        wait_turn(args.dq_sem + tile, 2 * dq_turn<T>(args, n_block, m_block, head, batch));
-        fence_proxy_async_global();
+  const BwdSchedule<T> schedule = bwd_schedule<T>(args, n_block, head_kv, batch);
+  for (int step = 0; step < schedule.count; ++step) {
+    const int entry = schedule.entry(step);
+    const int head = head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);
+    const int m_block = BwdSchedule<T>::block(entry);
+    const int tile = query_tile_index<T>(args, batch, head, m_block);
+    float* accum = args.dq_accum + int64_t(tile) * T::kDqFloats;
+    if (args.deterministic && leader) {
+      wait_turn(args.dq_sem + tile, 2 * dq_turn<T>(args, n_block, m_block, head, batch));
+      fence_proxy_async_global();
+    }
+    __syncwarp();  // the whole warp meets the named barriers
+    CUTE_UNROLL
+    for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
+      cutlass::arch::NamedBarrier::sync(kSyncThreads, kBwdBarrierDqFull + wg);
+      if (leader) {
+        bulk_reduce_add(accum + wg * kHalf, smem.dq.data() + wg * kHalf, kHalf * int(sizeof(float)));
+        tma_store_arrive();
+        tma_store_wait<0>();  // the staging buffer has been read
       }
-      ++step;
-      CUTE_UNROLL
-      for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
-        cutlass::arch::NamedBarrier::sync(kSyncThreads, kBwdBarrierDqFull + wg);
-        if (leader) {
-          bulk_reduce_add(accum + wg * kHalf, smem.dq.data() + wg * kHalf, kHalf * int(sizeof(float)));
-          tma_store_arrive();
-          tma_store_wait<0>();  // the staging buffer has been read
-        }
-        __syncwarp();
-        if (step < steps) cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);
-      }
-      if (args.deterministic && leader) {
-        bulk_wait_complete();
-        fence_proxy_async_global();
-        __threadfence();
-        atomicAdd(args.dq_sem + tile, 2);
-      }
+      __syncwarp();
+      if (step + 1 < schedule.count) cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);
+    }
+    if (args.deterministic && leader) {
+      bulk_wait_complete();
+      fence_proxy_async_global();
+      __threadfence();
+      atomicAdd(args.dq_sem + tile, 2);
     }
   }
   if (leader) bulk_wait_complete();
@@ -292,7 +282,7 @@ CUTE_DEVICE void probabilities(const BwdKernelArgs<Traits>& args, TensorS& tSrS,
   const bool key_tail = n0 + T::kBlockN > args.seqlen_k;
   if constexpr (T::kMask == MaskKind::kAdditive) {
     // Natural units: S * scale + mask - LSE is formed before the exp2 scaling (huge finite masks).
-    if (QueryBlocks<T>::partial(entry)) {
+    if (BwdSchedule<T>::partial(entry)) {
       CUTE_UNROLL
       for (int i = 0; i < size(tSrS); ++i) tSrS(i) *= args.scale;
       add_additive_mask(tSrS, tScS, args.mask.classes, batch, head, m0, n0, args.seqlen_q, args.seqlen_k);
@@ -308,7 +298,7 @@ CUTE_DEVICE void probabilities(const BwdKernelArgs<Traits>& args, TensorS& tSrS,
     CUTE_UNROLL
     for (int i = 0; i < size(tSrS); ++i) tSrS(i) = exp2f(tSrS(i) * args.scale_log2 - lse[get<1>(tScS(i))]);
     if constexpr (T::kMask == MaskKind::kBool) {
-      if (QueryBlocks<T>::partial(entry)) {
+      if (BwdSchedule<T>::partial(entry)) {
         Tensor s_rc = make_tensor(tSrS.data(), acc_rowcol_layout(tSrS.layout()));
         Tensor c_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
         apply_mask_bits<T::kBlockM, T::kBlockN>(s_rc, c_rc, args.mask.classes, m_block, n_block, head, batch);
@@ -336,7 +326,7 @@ CUTE_DEVICE void score_gradients(TensorDP& tdPrdP, const TensorP& tSrP, const Te
 // Adds this warpgroup's dQ partial (a dQ-MMA fragment) into query tile `tile`.
 template <class Traits, class FragDQ>
 CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
-                        const FragDQ& tdQrdQ, int tid, int64_t tile, int turn) {
+                        const FragDQ& tdQrdQ, int tid, int tile, int turn) {
   using T = Traits;
   const int wg = tid / 128;
   const int t = tid % 128;
@@ -353,10 +343,11 @@ CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::Shar
     cutlass::arch::fence_view_async_shared();  // st.shared visible to the bulk reduction
     warpgroup_barrier_arrive<kBwdBarrierDqFull>(wg, kSyncThreads);
   } else {
-    float* accum = args.dq_accum + tile * T::kDqFloats;
+    float* accum = args.dq_accum + int64_t(tile) * T::kDqFloats;
     int32_t* counter = args.dq_sem + tile;
     if (args.deterministic) {
       if (t == 0) wait_turn(counter, 2 * turn);
+      __syncwarp();
       warpgroup_barrier_sync<kBwdBarrierDqTurn>(wg, 128);
     }
     CUTE_UNROLL
@@ -370,6 +361,7 @@ CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::Shar
         __threadfence();
         atomicAdd(counter, 1);
       }
+      __syncwarp();
     }
   }
 }
@@ -426,14 +418,13 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
 
   typename T::PipelineQ::PipelineState read_q;
   typename T::PipelineDO::PipelineState read_do;
-  int step = 0;
   const int n0 = n_block * T::kBlockN;
-  for (int h = 0; h < args.head_ratio; ++h) {
-    const int head = head_kv * args.head_ratio + h;
-    const QueryBlocks<T> blocks = query_blocks<T>(args, n_block, head, batch);
-    for (int i = 0; i < blocks.count; ++i, ++step) {
-      const int entry = blocks.entry(i);
-      const int m_block = QueryBlocks<T>::block(entry);
+  const BwdSchedule<T> schedule = bwd_schedule<T>(args, n_block, head_kv, batch);
+  for (int step = 0; step < schedule.count; ++step) {
+    {  // one step: one query tile of one query head
+      const int entry = schedule.entry(step);
+      const int head = head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);
+      const int m_block = BwdSchedule<T>::block(entry);
       const int m0 = m_block * T::kBlockM;
       const int ds_stage = step % T::kStagesDS;
 
@@ -462,7 +453,7 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
       convert_pairs(rdS, tdPrdP);
       Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<TileM, TileD>{});
       auto tdQrdS_step = tdQrdS(_, _, _, ds_stage);
-      const int64_t tile = query_tile_index<T>(args, batch, head, m_block);
+      const int tile = query_tile_index<T>(args, batch, head, m_block);
       const int turn = T::kStagedDq ? 0 : dq_turn<T>(args, n_block, m_block, head, batch);
       if constexpr (T::kSplitKeys) {
         // dV += P^T.dO straight from registers, while dS goes to shared memory for dQ.
@@ -479,6 +470,7 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
         pipe_do.consumer_release(read_do);
         add_dq<T>(args, smem, tdQrdQ, tid, tile, turn);
         warpgroup_wait<0>();
+        warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);
         pipe_q.consumer_release(read_q);
       } else {

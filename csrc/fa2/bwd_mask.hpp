@@ -1,7 +1,6 @@
 // Attention masks in the backward kernel. The forward's pre-pass (mask_prepass.hpp) classifies the
-// mask's (query tile x key tile) blocks at the backward's tile sizes; list_query_blocks then turns each
-// key tile's column of classes into the list of query tiles its CTA visits (fully masked ones left
-// out), and rank_key_blocks gives the deterministic mode its turn order. Partial blocks apply the mask
+// mask's (query tile x key tile) blocks at the backward's tile sizes; list_cta_steps then turns the
+// classes into each CTA's list of steps (fully masked blocks left out), and rank_key_blocks gives the deterministic mode its turn order. Partial blocks apply the mask
 // element by element on the S^T fragment; additive masks that require grad also add dS into a float32
 // gradient buffer.
 #pragma once
@@ -23,7 +22,7 @@ using namespace cute;
 // deterministic mode's turn ranks and the optional mask gradient.
 struct BwdMaskArgs {
   MaskArgs classes;      // pre-pass outputs at the backward's tile sizes (block classes, bool bits)
-  const int32_t* lists;  // [CB * CH, N, num_m_blocks + 1]: count, then m_block * 2 + partial, ascending
+  const int32_t* lists;  // [B, Hkv, N, G * num_m_blocks + 1]: each CTA's step count, then its steps
   const int32_t* ranks;  // [CB * CH, CM, N]: visited key tiles before this one (deterministic turns)
   float* dmask;          // float32 gradient of an additive mask, or null
   int64_t dmask_batch_stride, dmask_head_stride, dmask_row_stride, dmask_col_stride;
@@ -32,30 +31,41 @@ struct NoBwdMaskArgs {};
 template <MaskKind Kind> struct BwdMaskArgsFor { using type = BwdMaskArgs; };
 template <> struct BwdMaskArgsFor<MaskKind::kNone> { using type = NoBwdMaskArgs; };
 
-constexpr int kMaskListWarps = 4;  // columns (or class rows) per CTA of the list kernels
+constexpr int kMaskListWarps = 4;  // warps (CTAs listed, or class rows ranked) per CTA of the list kernels
 
-// One warp per (class slice, key tile) column: the query tiles whose block is not fully masked,
-// ascending. A row-broadcast mask (one class row) gives every query tile that row's class.
+// Largest query-head group a step entry can name (head_in_group << 17 | m_block << 1 | partial).
+constexpr int kMaxHeadRatio = 1 << 14;
+
+// One warp per CTA of the main kernel, i.e. per (batch, kv head, key tile): its steps in order, every
+// (query head of the group, query tile) whose block is not fully masked, as BwdSchedule entries.
+// A row-broadcast mask (one class row) gives every query tile that row's class.
 template <int kWarps>
 __global__ void __launch_bounds__(32 * kWarps)
-list_query_blocks(const MaskArgs mk, int32_t* lists, int num_m_blocks, int64_t columns) {
-  const int64_t column = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
-  if (column >= columns) return;  // whole warps leave together
+list_cta_steps(const MaskArgs mk, int32_t* lists, int heads_kv, int head_ratio, int num_m_blocks, int64_t ctas) {
+  const int64_t cta = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  if (cta >= ctas) return;  // whole warps leave together
   const int lane = threadIdx.x % 32;
-  const int64_t slice = column / mk.num_n_blocks;
-  const int n_block = int(column - slice * mk.num_n_blocks);
-  int32_t* list = lists + column * (num_m_blocks + 1);
+  const int n_block = int(cta % mk.num_n_blocks);
+  const int64_t kv_slice = cta / mk.num_n_blocks;
+  const int head_kv = int(kv_slice % heads_kv);
+  const int batch = int(kv_slice / heads_kv);
+  int32_t* list = lists + cta * (int64_t(head_ratio) * num_m_blocks + 1);
   int count = 0;
-  for (int base = 0; base < num_m_blocks; base += 32) {
-    const int m_block = base + lane;
-    int cls = 0;
-    if (m_block < num_m_blocks) {
-      const int64_t row = slice * mk.class_m_blocks + (mk.row_broadcast ? 0 : m_block);
-      cls = mk.block_class[row * mk.num_n_blocks + n_block];
+  for (int h = 0; h < head_ratio; ++h) {
+    const int64_t slice = mk.class_slice(batch, head_kv * head_ratio + h);
+    for (int base = 0; base < num_m_blocks; base += 32) {
+      const int m_block = base + lane;
+      int cls = 0;
+      if (m_block < num_m_blocks) {
+        const int64_t row = slice * mk.class_m_blocks + (mk.row_broadcast ? 0 : m_block);
+        cls = mk.block_class[row * mk.num_n_blocks + n_block];
+      }
+      const uint32_t visited = __ballot_sync(0xffffffffu, cls != 0);
+      if (cls != 0) {
+        list[1 + count + __popc(visited & ((1u << lane) - 1u))] = (h << 17) | (m_block << 1) | (cls == 2 ? 1 : 0);
+      }
+      count += __popc(visited);
     }
-    const uint32_t visited = __ballot_sync(0xffffffffu, cls != 0);
-    if (cls != 0) list[1 + count + __popc(visited & ((1u << lane) - 1u))] = m_block * 2 + (cls == 2 ? 1 : 0);
-    count += __popc(visited);
   }
   if (lane == 0) list[0] = count;
 }

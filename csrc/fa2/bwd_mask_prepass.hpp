@@ -1,6 +1,6 @@
 // Host side of the masked backward's pre-pass: the forward's block classification (launch.hpp's
 // plan_mask and mask_prepass.hpp's classify_mask_blocks, at the backward's tile sizes), then the
-// column lists and (deterministic mode) the turn ranks of bwd_mask.hpp.
+// per-CTA step lists and (deterministic mode) the turn ranks of bwd_mask.hpp.
 #pragma once
 
 #include <cstdint>
@@ -46,7 +46,9 @@ BwdMaskPlan plan_bwd_mask(const BwdParams& p) {
   const int64_t num_m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   BwdMaskPlan plan;
   plan.lists_offset = aligned(classification.workspace.total_bytes);
-  plan.ranks_offset = plan.lists_offset + aligned(slices * mk.num_n_blocks * (num_m_blocks + 1) * int64_t(sizeof(int32_t)));
+  const int64_t ctas = int64_t(p.batch) * p.heads_kv * mk.num_n_blocks;
+  const int64_t list_ints = ctas * (int64_t(p.heads_q / p.heads_kv) * num_m_blocks + 1);
+  plan.ranks_offset = plan.lists_offset + aligned(list_ints * int64_t(sizeof(int32_t)));
   const int64_t rank_bytes = p.deterministic ? slices * mk.class_m_blocks * mk.num_n_blocks * int64_t(sizeof(int32_t)) : 0;
   plan.total_bytes = plan.ranks_offset + aligned(rank_bytes);
   return plan;
@@ -69,9 +71,9 @@ cudaError_t launch_bwd_mask_prepass(const BwdParams& p, const BwdMaskPlan& plan,
       mk, p.seqlen_q, p.seqlen_k);
 
   int32_t* lists = reinterpret_cast<int32_t*>(workspace + plan.lists_offset);
-  const int64_t columns = slices * mk.num_n_blocks;
-  list_query_blocks<kMaskListWarps><<<unsigned((columns + kMaskListWarps - 1) / kMaskListWarps), 32 * kMaskListWarps, 0,
-                                      stream>>>(mk, lists, num_m_blocks, columns);
+  const int64_t ctas = int64_t(p.batch) * p.heads_kv * mk.num_n_blocks;
+  list_cta_steps<kMaskListWarps><<<unsigned((ctas + kMaskListWarps - 1) / kMaskListWarps), 32 * kMaskListWarps, 0, stream>>>(
+      mk, lists, p.heads_kv, p.heads_q / p.heads_kv, num_m_blocks, ctas);
   int32_t* ranks = nullptr;
   if (p.deterministic) {
     ranks = reinterpret_cast<int32_t*>(workspace + plan.ranks_offset);

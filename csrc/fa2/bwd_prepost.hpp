@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_preprocess(const BwdPrepr
   constexpr int kRowsPerPass = kPrepostThreads / kThreadsPerRow;
   static_assert(32 % kThreadsPerRow == 0 && T::kBlockM % kRowsPerPass == 0);
   const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
-  const int64_t tile = (int64_t(batch) * a.heads_q + head) * a.num_m_blocks + m_block;
+  const int tile = (batch * a.heads_q + head) * a.num_m_blocks + m_block;  // as query_tile_index
   const int m0 = m_block * T::kBlockM;
 
   const int lane_in_row = threadIdx.x % kThreadsPerRow;
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_preprocess(const BwdPrepr
     const float lse = row < a.seqlen_q ? a.lse[batch * a.lse_batch_stride + head * a.lse_head_stride + row] : -INFINITY;
     a.lse_rows[tile * T::kBlockM + r] = lse_row_value<T>(lse);
   }
-  float4* accum = reinterpret_cast<float4*>(a.dq_accum + tile * T::kDqFloats);
+  float4* accum = reinterpret_cast<float4*>(a.dq_accum + int64_t(tile) * T::kDqFloats);
   for (int i = threadIdx.x; i < T::kDqFloats / 4; i += kPrepostThreads) accum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (threadIdx.x == 0) a.dq_sem[tile] = 0;
 }
@@ -104,11 +104,11 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_postprocess(CUTE_GRID_CON
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
   const int tid = threadIdx.x;
-  const int64_t tile = (int64_t(batch) * a.heads_q + head) * a.num_m_blocks + m_block;
+  const int tile = (batch * a.heads_q + head) * a.num_m_blocks + m_block;  // as query_tile_index
 
   typename T::TiledMmaDQ mma_dq;
   Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<typename T::TileM, typename T::TileD>{});
-  const float* accum = a.dq_accum + tile * T::kDqFloats;
+  const float* accum = a.dq_accum + int64_t(tile) * T::kDqFloats;
   CUTE_UNROLL
   for (int i = 0; i < T::kDqFloatsPerThread; i += 4) {
     const float4 v = *reinterpret_cast<const float4*>(accum + dq_fragment_offset<T>(tid, i));

@@ -24,21 +24,22 @@ using namespace cute;
 // registers and feed dV/dK as register operands (D <= 128). Otherwise (D = 256, where dK and dV of 128
 // keys would not fit in registers) the block has 64 keys, the warpgroups split the query tile for
 // S^T/dP^T and the head dim for dV/dK/dQ, and P goes through shared memory too.
-template <int HeadDim>
+// kMasked: a mask kernel (its partial blocks need registers for the mask's bits or values).
+template <int HeadDim, bool kMasked>
 struct BwdTileConfig;
-template <>
-struct BwdTileConfig<64> {
-  static constexpr int kBlockM = 128, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
+template <bool kMasked>
+struct BwdTileConfig<64, kMasked> {
+  static constexpr int kBlockM = kMasked ? 64 : 128, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
   static constexpr bool kSplitKeys = true;
 };
-template <>
-struct BwdTileConfig<128> {
+template <bool kMasked>
+struct BwdTileConfig<128, kMasked> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
   static constexpr bool kSplitKeys = true;
 };
-template <>
-struct BwdTileConfig<256> {
-  static constexpr int kBlockM = 64, kBlockN = 64, kStagesQ = 2, kStagesDO = 1;
+template <bool kMasked>
+struct BwdTileConfig<256, kMasked> {
+  static constexpr int kBlockM = 64, kBlockN = 64, kStagesQ = 2, kStagesDO = 2;
   static constexpr bool kSplitKeys = false;
 };
 
@@ -54,7 +55,7 @@ enum BwdBarrier : int {
 template <int HeadDim_, DType Dt, bool Causal_, MaskKind Mask_ = MaskKind::kNone>
 struct BwdTraits {
   using Element = typename ElementOf<Dt>::type;
-  using Config = BwdTileConfig<HeadDim_>;
+  using Config = BwdTileConfig<HeadDim_, Mask_ != MaskKind::kNone>;
   static constexpr int kHeadDim = HeadDim_;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
