@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from .backward import backward_rows
 from .cases import CAUSAL_CHOICES, DTYPES, PAPER_HIDDEN, PAPER_TOKENS, sweep_cells
 from .implementations import DEFAULT_IMPLS, IMPLEMENTATIONS, TOLERANCES
 from .masks import mask_rows
@@ -76,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
         help="only the attention-mask rows (bf16, D=128, --tokens/--hidden shapes): causal as a bool mask vs "
         "is_causal, padding vs no mask at the same visible keys, sliding window vs SDPA, HF/T5 additive masks, "
         "pre-pass cost; writes --json",
+    )
+    parser.add_argument(
+        "--backward", action="store_true",
+        help="training rows instead: forward+backward and backward alone of fa2_inductor, sdpa_flash and "
+        "sdpa_cudnn on the sweep's cells (gradients checked first); writes --json and two plots beside --plot",
     )
     return parser
 
@@ -152,6 +158,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.masks:
         return mask_rows(args)
+    if args.backward:
+        return backward_rows(args)
     if args.replot is not None:
         replot(args.replot, args.plot)
         return 0
