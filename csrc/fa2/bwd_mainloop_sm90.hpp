@@ -186,6 +186,7 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
   auto write_q = cutlass::make_producer_start_state<typename T::PipelineQ>();
   auto write_do = cutlass::make_producer_start_state<typename T::PipelineDO>();
   const BwdSchedule<T> schedule = bwd_schedule<T>(args, n_block, head_kv, batch);
+#pragma unroll 1  // 24 registers: one step's bookkeeping at a time
   for (int step = 0; step < schedule.count; ++step) {
     const int entry = schedule.entry(step);
     const int head = head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);  // K/V never copied
@@ -236,6 +237,7 @@ CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Trait
     cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);  // staging starts empty
   }
   const BwdSchedule<T> schedule = bwd_schedule<T>(args, n_block, head_kv, batch);
+#pragma unroll 1  // 24 registers: one step's bookkeeping at a time
   for (int step = 0; step < schedule.count; ++step) {
     const int entry = schedule.entry(step);
     const int head = head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);
