@@ -110,7 +110,7 @@ bwd_kernel_sm90(CUTE_GRID_CONSTANT const BwdKernelArgs<Traits> args) {
     Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<typename T::TileN, typename T::TileD>{});
     Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<typename T::TileN, typename T::TileD>{});
     if (steps > 0) {
-      bwd_mma<T>(args, smem, pipe_q, pipe_do, tdKrdK, tdVrdV, tid, n_block, head_kv, batch);
+      bwd_mma<T>(args, smem, pipe_q, pipe_do, tdKrdK, tdVrdV, tid, head_kv, batch);
     } else {
       // No query sees these keys (causal, or a mask): dK = dV = 0. Nothing was loaded.
       clear(tdKrdK);

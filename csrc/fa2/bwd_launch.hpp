@@ -116,6 +116,9 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
       p.heads_q / p.heads_kv,
       num_m_blocks,
       num_n_blocks,
+      // Causal deterministic: descending key tiles, the turn order of dq_turn (shortest CTAs first).
+      T::kCausal && p.deterministic ? num_n_blocks - 1 : 0,
+      T::kCausal && p.deterministic ? -1 : 1,
       p.scale,
       p.scale * float(M_LOG2E),
       p.deterministic,

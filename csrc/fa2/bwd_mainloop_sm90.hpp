@@ -93,13 +93,13 @@ CUTE_DEVICE int dq_turn(const BwdKernelArgs<Traits>& args, int n_block, int m_bl
   }
 }
 
-// The key tile of this CTA (causal deterministic launches descending, see dq_turn).
+// The key tile of this CTA: blockIdx.x, or descending for causal deterministic launches (see dq_turn).
+// An affine map of blockIdx.x with kernel-parameter coefficients, cheap to recompute anywhere.
 template <class Traits>
 CUTE_DEVICE int bwd_key_block(const BwdKernelArgs<Traits>& args) {
-  if constexpr (Traits::kCausal) {
-    if (args.deterministic) return args.num_n_blocks - 1 - int(blockIdx.x);
-  }
-  return int(blockIdx.x);
+  int x;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));  // re-read at each use: no register holds it across a loop
+  return args.key_block_first + args.key_block_step * x;
 }
 
 // Index of the (batch, head, query tile) among all query tiles: its LSE/D rows, dQ partial and turn
@@ -373,7 +373,7 @@ CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::Shar
 template <class Traits, class FragDKV>
 CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                          typename Traits::PipelineQ& pipe_q, typename Traits::PipelineDO& pipe_do,
-                         FragDKV& tdKrdK, FragDKV& tdVrdV, int tid, int n_block, int head_kv, int batch) {
+                         FragDKV& tdKrdK, FragDKV& tdVrdV, int tid, int head_kv, int batch) {
   using T = Traits;
   using Element = typename T::Element;
   using TileM = typename T::TileM;
@@ -420,10 +420,11 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
 
   typename T::PipelineQ::PipelineState read_q;
   typename T::PipelineDO::PipelineState read_do;
-  const int n0 = n_block * T::kBlockN;
-  const BwdSchedule<T> schedule = bwd_schedule<T>(args, n_block, head_kv, batch);
+  const BwdSchedule<T> schedule = bwd_schedule<T>(args, bwd_key_block<T>(args), head_kv, batch);
   for (int step = 0; step < schedule.count; ++step) {
     {  // one step: one query tile of one query head
+      const int n_block = bwd_key_block<T>(args);
+      const int n0 = n_block * T::kBlockN;
       const int entry = schedule.entry(step);
       const int head = head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);
       const int m_block = BwdSchedule<T>::block(entry);

@@ -229,6 +229,7 @@ struct BwdKernelArgs {
   int32_t* dq_sem;
   int seqlen_q, seqlen_k, heads_q, head_ratio;  // head_ratio = Hq / Hkv
   int num_m_blocks, num_n_blocks;
+  int key_block_first, key_block_step;  // key tile = first + step * blockIdx.x
   float scale;      // softmax scale
   float scale_log2; // scale * log2(e)
   bool deterministic;
