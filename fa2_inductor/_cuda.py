@@ -171,6 +171,10 @@ def forward(
 
 
 # ===== the Hopper backward kernel ==================================================================
+# The backward's step entries name a query head of the group in 14 bits (csrc/fa2/bwd_mask.hpp kMaxHeadRatio).
+_MAX_BACKWARD_HEAD_RATIO = 1 << 14
+
+
 def backward_kernel_unsupported_reason(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     attn_mask: Optional[Tensor], is_causal: bool, compute_mask_grad: bool,
@@ -184,6 +188,8 @@ def backward_kernel_unsupported_reason(
     for name, t in (("grad_out", grad_out), ("out", out)):
         if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
             return f"{name} does not match q"
+    if q.shape[1] // k.shape[1] >= _MAX_BACKWARD_HEAD_RATIO:
+        return f"more than {_MAX_BACKWARD_HEAD_RATIO - 1} query heads per kv head"
     if compute_mask_grad and torch.are_deterministic_algorithms_enabled():
         b, hq, sq, _ = q.shape
         full = (b, hq, sq, k.shape[2])

@@ -457,7 +457,7 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
       Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<TileM, TileD>{});
       auto tdQrdS_step = tdQrdS(_, _, _, ds_stage);
       const int tile = query_tile_index<T>(args, batch, head, m_block);
-      const int turn = T::kStagedDq ? 0 : dq_turn<T>(args, n_block, m_block, head, batch);
+      const int turn = !T::kStagedDq && args.deterministic ? dq_turn<T>(args, n_block, m_block, head, batch) : 0;
       if constexpr (T::kSplitKeys) {
         // dV += P^T.dO straight from registers, while dS goes to shared memory for dQ.
         Tensor tdVrP = make_tensor(rP.data(), acc_to_a_operand_layout(rP.layout()));

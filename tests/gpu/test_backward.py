@@ -76,8 +76,9 @@ def kernel_grads(q, k, v, g, scale, is_causal, mask=None, dmask=None, determinis
     out, lse = kernel_forward(q, k, v, scale, is_causal, mask)
 
     def poisoned(t):
+        b, h, s, d = t.shape
         if out_layout == "bshd":
-            return torch.full_like(t.transpose(1, 2), float("nan")).transpose(1, 2)
+            return torch.full((b, s, h, d), float("nan"), device=DEV, dtype=t.dtype).transpose(1, 2)
         return torch.full(t.shape, float("nan"), device=DEV, dtype=t.dtype)
 
     dq, dk, dv = poisoned(q), poisoned(k), poisoned(v)
