@@ -111,16 +111,31 @@ CUTE_DEVICE void apply_mask_bits(TensorS& s_rc, const TensorC& c_rc, const MaskA
 }
 
 // Additive masks, partial blocks: adds the mask value (as float) to each in-range element of the
-// (already scaled) S^T fragment `x`. Rows past Sq and keys past Sk are never read.
+// (already scaled) S^T fragment `x`. Rows past Sq and keys past Sk are never read. Four query columns
+// at a time: the compiler fence keeps it from hoisting every load (and its 64-bit address) at once,
+// which the MMA warps' register budget cannot hold.
 template <class E, class TensorS, class TensorC>
 CUTE_DEVICE void add_mask_values_transposed(TensorS& x, const TensorC& tScS, const E* base, const MaskArgs& mk,
                                             int m0, int n0, int seqlen_q, int seqlen_k) {
+  Tensor x_rc = make_tensor(x.data(), acc_rowcol_layout(x.layout()));
+  Tensor c_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+  constexpr int kRows = decltype(size<0>(x_rc))::value;
+  const E* rows[kRows];
+  bool row_ok[kRows];
   CUTE_UNROLL
-  for (int i = 0; i < size(x); ++i) {
-    const int key = n0 + get<0>(tScS(i));
-    const int query = m0 + get<1>(tScS(i));
-    if (query < seqlen_q && key < seqlen_k) {
-      x(i) += float(base[int64_t(query) * mk.row_stride + int64_t(key) * mk.col_stride]);
+  for (int r = 0; r < kRows; ++r) {
+    const int key = n0 + get<0>(c_rc(r, 0));
+    row_ok[r] = key < seqlen_k;
+    rows[r] = base + int64_t(key) * mk.col_stride;
+  }
+  CUTE_UNROLL
+  for (int c = 0; c < size<1>(x_rc); ++c) {
+    if (c % 4 == 0) asm volatile("" ::: "memory");
+    const int query = m0 + get<1>(c_rc(0, c));
+    const int64_t offset = int64_t(query) * mk.row_stride;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      if (query < seqlen_q && row_ok[r]) x_rc(r, c) += float(rows[r][offset]);
     }
   }
 }
@@ -164,12 +179,17 @@ CUTE_DEVICE void add_mask_gradient(const BwdMaskArgs& mk, TensorDS& tdS, const T
       }
     }
   } else {
+    Tensor ds_rc = make_tensor(tdS.data(), acc_rowcol_layout(tdS.layout()));
+    Tensor c_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
     CUTE_UNROLL
-    for (int i = 0; i < size(tdS); ++i) {
-      const int key = n0 + get<0>(tScS(i));
-      const int query = m0 + get<1>(tScS(i));
-      if (query < seqlen_q && key < seqlen_k && tdS(i) != 0.f) {
-        atomicAdd(base + int64_t(query) * mk.dmask_row_stride + int64_t(key) * mk.dmask_col_stride, tdS(i));
+    for (int r = 0; r < size<0>(ds_rc); ++r) {
+      const int key = n0 + get<0>(c_rc(r, 0));
+      if (key >= seqlen_k) continue;
+      float* row = base + int64_t(key) * mk.dmask_col_stride;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(ds_rc); ++c) {
+        const int query = m0 + get<1>(c_rc(r, c));
+        if (query < seqlen_q && ds_rc(r, c) != 0.f) atomicAdd(row + int64_t(query) * mk.dmask_row_stride, ds_rc(r, c));
       }
     }
   }
