@@ -18,7 +18,7 @@ using namespace cute;
 // done reading them, and stored with one TMA copy each (rows past Sk clipped by the tensor map).
 template <class Traits, class FragDKV>
 CUTE_DEVICE void bwd_epilogue(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
-                              FragDKV& tdKrdK, const FragDKV& tdVrdV, int tid, int n_block, int head_kv, int batch) {
+                              FragDKV& tdKrdK, const FragDKV& tdVrdV, int tid, int head_kv, int batch) {
   using T = Traits;
   using Element = typename T::Element;
   typename T::TiledMmaDKV mma_dkv;
@@ -40,6 +40,7 @@ CUTE_DEVICE void bwd_epilogue(const BwdKernelArgs<Traits>& args, typename Traits
   cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierEpilogue);
 
   if (tid == 0) {
+    const int n_block = bwd_key_block<T>(args);
     Tensor mdK = args.tma_dk.get_tma_tensor(args.shape_kv);
     Tensor mdV = args.tma_dv.get_tma_tensor(args.shape_kv);
     Tensor gdK = local_tile(mdK(_, _, head_kv, batch), Shape<typename T::TileN, typename T::TileD>{},
@@ -116,7 +117,7 @@ bwd_kernel_sm90(CUTE_GRID_CONSTANT const BwdKernelArgs<Traits> args) {
       clear(tdKrdK);
       clear(tdVrdV);
     }
-    bwd_epilogue<T>(args, smem, tdKrdK, tdVrdV, tid, n_block, head_kv, batch);
+    bwd_epilogue<T>(args, smem, tdKrdK, tdVrdV, tid, head_kv, batch);
   }
 #elif defined(__CUDA_ARCH__)
   // Built for another target (e.g. plain sm_90 added by TORCH_CUDA_ARCH_LIST): fail loudly.

@@ -32,16 +32,17 @@ using namespace cute;
 // Masked: the pre-pass's list, fully masked blocks left out.
 template <class Traits>
 struct BwdSchedule {
-  const int32_t* entries = nullptr;  // masked kernels only
-  int begin = 0, per_head = 0;       // unmasked kernels only
+  int first = 0;                // masked kernels: index of the first step's entry in args.mask.lists
+  int begin = 0, per_head = 0;  // unmasked kernels
   int count = 0;
 
-  CUTE_DEVICE int entry(int step) const {
+  // (A 32-bit index rather than a pointer: one register less in the MMA warps' loop.)
+  CUTE_DEVICE int entry(const BwdKernelArgs<Traits>& args, int step) const {
     if constexpr (Traits::kMask == MaskKind::kNone) {
       const int head_in_group = step / per_head;
       return (head_in_group << 17) | ((begin + step - head_in_group * per_head) << 1);
     } else {
-      return entries[step];
+      return args.mask.lists[first + step];
     }
   }
   CUTE_HOST_DEVICE static int head_in_group(int entry) { return entry >> 17; }
@@ -64,10 +65,12 @@ CUTE_DEVICE BwdSchedule<Traits> bwd_schedule(const BwdKernelArgs<Traits>& args, 
     schedule.per_head = max(0, args.num_m_blocks - schedule.begin);
     schedule.count = args.head_ratio * schedule.per_head;
   } else {
-    const int64_t cta = (int64_t(batch) * (args.heads_q / args.head_ratio) + head_kv) * args.num_n_blocks + n_block;
-    const int32_t* list = args.mask.lists + cta * (int64_t(args.head_ratio) * args.num_m_blocks + 1);
-    schedule.count = list[0];
-    schedule.entries = list + 1;
+    // Fits 32 bits: the lists hold B * Hq * N * M + B * Hkv * N ints, under 2^31 for any mask that fits
+    // in memory (bwd_mask_prepass.hpp checks).
+    const int cta = (batch * (args.heads_q / args.head_ratio) + head_kv) * args.num_n_blocks + n_block;
+    const int list = cta * (args.head_ratio * args.num_m_blocks + 1);
+    schedule.count = args.mask.lists[list];
+    schedule.first = list + 1;
   }
   return schedule;
 }
@@ -98,7 +101,7 @@ CUTE_DEVICE int dq_turn(const BwdKernelArgs<Traits>& args, int n_block, int m_bl
 template <class Traits>
 CUTE_DEVICE int bwd_key_block(const BwdKernelArgs<Traits>& args) {
   int x;
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));  // re-read at each use: no register holds it across a loop
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x) : : "memory");  // re-read at each use, never held in a register
   return args.key_block_first + args.key_block_step * x;
 }
 
@@ -188,7 +191,7 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
   const BwdSchedule<T> schedule = bwd_schedule<T>(args, n_block, head_kv, batch);
 #pragma unroll 1  // 24 registers: one step's bookkeeping at a time
   for (int step = 0; step < schedule.count; ++step) {
-    const int entry = schedule.entry(step);
+    const int entry = schedule.entry(args, step);
     const int head = head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);  // K/V never copied
     const int m_block = BwdSchedule<T>::block(entry);
     const int stats_row = query_tile_index<T>(args, batch, head, m_block) * T::kBlockM;
@@ -239,7 +242,7 @@ CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Trait
   const BwdSchedule<T> schedule = bwd_schedule<T>(args, n_block, head_kv, batch);
 #pragma unroll 1  // 24 registers: one step's bookkeeping at a time
   for (int step = 0; step < schedule.count; ++step) {
-    const int entry = schedule.entry(step);
+    const int entry = schedule.entry(args, step);
     const int head = head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);
     const int m_block = BwdSchedule<T>::block(entry);
     const int tile = query_tile_index<T>(args, batch, head, m_block);
@@ -278,8 +281,9 @@ CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Trait
 // (+inf for empty and padding rows, so P = 0 there).
 template <class Traits, class TensorS, class TensorC>
 CUTE_DEVICE void probabilities(const BwdKernelArgs<Traits>& args, TensorS& tSrS, const TensorC& tScS,
-                               const float* lse, int entry, int m_block, int n_block, int head, int batch) {
+                               const float* lse, int entry, int m_block, int head, int batch) {
   using T = Traits;
+  const int n_block = bwd_key_block<T>(args);
   const int m0 = m_block * T::kBlockM, n0 = n_block * T::kBlockN;
   const bool key_tail = n0 + T::kBlockN > args.seqlen_k;
   if constexpr (T::kMask == MaskKind::kAdditive) {
@@ -423,9 +427,7 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
   const BwdSchedule<T> schedule = bwd_schedule<T>(args, bwd_key_block<T>(args), head_kv, batch);
   for (int step = 0; step < schedule.count; ++step) {
     {  // one step: one query tile of one query head
-      const int n_block = bwd_key_block<T>(args);
-      const int n0 = n_block * T::kBlockN;
-      const int entry = schedule.entry(step);
+      const int entry = schedule.entry(args, step);
       const int head = head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);
       const int m_block = BwdSchedule<T>::block(entry);
       const int m0 = m_block * T::kBlockM;
@@ -439,14 +441,14 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
       wg_gemm<true, -1, false>(mma_sdp, tdPrV, tdPrdO(_, _, _, read_do.index()), tdPrdP);
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
-      probabilities<T>(args, tSrS, tScS, smem.lse.data() + read_q.index() * T::kBlockM, entry, m_block, n_block,
-                       head, batch);
+      probabilities<T>(args, tSrS, tScS, smem.lse.data() + read_q.index() * T::kBlockM, entry, m_block, head, batch);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdPrdP);
       score_gradients(tdPrdP, tSrS, tScS, smem.dsum.data() + read_do.index() * T::kBlockM);
       if constexpr (T::kMask == MaskKind::kAdditive) {
         if (args.mask.dmask != nullptr) {
-          add_mask_gradient(args.mask, tdPrdP, tScS, batch, head, m0, n0, args.seqlen_q, args.seqlen_k);
+          add_mask_gradient(args.mask, tdPrdP, tScS, batch, head, m0, bwd_key_block<T>(args) * T::kBlockN,
+                            args.seqlen_q, args.seqlen_k);
         }
       }
 
@@ -457,7 +459,8 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
       Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<TileM, TileD>{});
       auto tdQrdS_step = tdQrdS(_, _, _, ds_stage);
       const int tile = query_tile_index<T>(args, batch, head, m_block);
-      const int turn = !T::kStagedDq && args.deterministic ? dq_turn<T>(args, n_block, m_block, head, batch) : 0;
+      const int turn =
+          !T::kStagedDq && args.deterministic ? dq_turn<T>(args, bwd_key_block<T>(args), m_block, head, batch) : 0;
       if constexpr (T::kSplitKeys) {
         // dV += P^T.dO straight from registers, while dS goes to shared memory for dQ.
         Tensor tdVrP = make_tensor(rP.data(), acc_to_a_operand_layout(rP.layout()));

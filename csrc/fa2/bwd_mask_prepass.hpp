@@ -16,6 +16,7 @@ namespace fa2 {
 // Byte offsets inside the mask part of the backward's workspace.
 struct BwdMaskPlan {
   int64_t lists_offset = 0, ranks_offset = 0, total_bytes = 0;  // the classification's workspace first
+  int64_t list_ints = 0;  // the step lists' length: the kernel indexes them with 32 bits
 };
 
 // The mask as plan_mask reads it (only sizes and mask fields matter to it).
@@ -48,6 +49,7 @@ BwdMaskPlan plan_bwd_mask(const BwdParams& p) {
   plan.lists_offset = aligned(classification.workspace.total_bytes);
   const int64_t ctas = int64_t(p.batch) * p.heads_kv * mk.num_n_blocks;
   const int64_t list_ints = ctas * (int64_t(p.heads_q / p.heads_kv) * num_m_blocks + 1);
+  plan.list_ints = list_ints;
   plan.ranks_offset = plan.lists_offset + aligned(list_ints * int64_t(sizeof(int32_t)));
   const int64_t rank_bytes = p.deterministic ? slices * mk.class_m_blocks * mk.num_n_blocks * int64_t(sizeof(int32_t)) : 0;
   plan.total_bytes = plan.ranks_offset + aligned(rank_bytes);
@@ -62,7 +64,8 @@ cudaError_t launch_bwd_mask_prepass(const BwdParams& p, const BwdMaskPlan& plan,
   using T = Traits;
   if (p.mask == nullptr) return cudaErrorInvalidValue;
   const MaskArgs mk = plan_mask<T>(mask_description(p, workspace)).args;
-  if (mk.num_n_blocks != num_n_blocks || mk.class_m_blocks > 65535 || mk.class_batches * mk.class_heads > 65535) {
+  if (mk.num_n_blocks != num_n_blocks || mk.class_m_blocks > 65535 || mk.class_batches * mk.class_heads > 65535 ||
+      plan.list_ints >= (int64_t(1) << 31)) {
     return cudaErrorInvalidConfiguration;
   }
   const int64_t slices = int64_t(mk.class_batches) * mk.class_heads;
