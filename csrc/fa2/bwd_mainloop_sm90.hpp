@@ -5,7 +5,7 @@
 //   dV += P^T.dO, dK += dS^T.Q          (RS-WGMMA from registers; SS through shared memory for D = 256)
 //   dQ  = dS.K                          (SS-WGMMA; dS written to shared memory with transposing stmatrix)
 // and add the float32 dQ partial to the accumulator (a writer warp's bulk reductions, or direct atomics).
-// The producer thread streams Q/LSE and dO/D tiles through two TMA pipelines; K and V are loaded once.
+// The producer warp streams Q/LSE and dO/D tiles through two TMA pipelines; K and V are loaded once.
 #pragma once
 
 #include <cmath>
@@ -234,12 +234,12 @@ CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Trait
   constexpr int kHalf = T::kDqFloats / 2;  // one warpgroup's part of a tile's partial
   constexpr int kSyncThreads = 128 + 32;
   const bool leader = threadIdx.x % 32 == 0;
-  if (bwd_schedule<T>(args, n_block, head_kv, batch).count == 0) return;
+  const BwdSchedule<T> schedule = bwd_schedule<T>(args, n_block, head_kv, batch);
+  if (schedule.count == 0) return;
   CUTE_UNROLL
   for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
     cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);  // staging starts empty
   }
-  const BwdSchedule<T> schedule = bwd_schedule<T>(args, n_block, head_kv, batch);
 #pragma unroll 1  // 24 registers: one step's bookkeeping at a time
   for (int step = 0; step < schedule.count; ++step) {
     const int entry = schedule.entry(args, step);
