@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <array>
 #include <map>
 #include <optional>
 #include <string>
@@ -47,6 +48,7 @@ const std::vector<KernelEntry>& kernel_table() {
   };
   return table;
 }
+#undef FA2_ENTRY  // the table's file also holds the backward's rows, behind FA2_BWD_ENTRY
 
 const KernelEntry* find_kernel(int head_dim, fa2::DType dtype) {
   for (const auto& e : kernel_table()) {
@@ -269,6 +271,165 @@ void fill_empty_rows(at::Tensor& out, const at::Tensor& lse, const at::Tensor& v
                                                     : fa2::run_fill_empty_rows<fa2::DType::kFP16>(p, stream));
 }
 
+// ===== Backward kernel binding (fa2::run_bwd) =====================================================
+// bwd() checks its arguments, fills fa2::BwdParams and launches preprocess, [mask pre-pass,] main kernel
+// and dQ postprocess on the current stream; its workspace comes from the caching allocator.
+#include "fa2/bwd_params.h"
+
+namespace {
+
+using BwdRunFn = cudaError_t (*)(const fa2::BwdParams&, cudaStream_t);
+using BwdWorkspaceFn = int64_t (*)(const fa2::BwdParams&);
+
+// Variants per (head dim, dtype): [0] no mask, [1] causal, [2] bool mask, [3] additive mask.
+struct BwdKernelEntry {
+  int head_dim;
+  fa2::DType dtype;
+  BwdRunFn run[4];
+  BwdWorkspaceFn workspace[4];
+};
+
+#define FA2_BWD_VARIANTS(D, DT, FN)                                                                     \
+  {&fa2::FN<D, fa2::DType::DT, false, fa2::MaskKind::kNone>, &fa2::FN<D, fa2::DType::DT, true, fa2::MaskKind::kNone>, \
+   &fa2::FN<D, fa2::DType::DT, false, fa2::MaskKind::kBool>,                                            \
+   &fa2::FN<D, fa2::DType::DT, false, fa2::MaskKind::kAdditive>}
+#define FA2_BWD_ENTRY(D, DT) \
+  BwdKernelEntry{D, fa2::DType::DT, FA2_BWD_VARIANTS(D, DT, run_bwd), FA2_BWD_VARIANTS(D, DT, bwd_workspace_bytes)},
+
+// One entry per compiled (head dim, dtype); the rows come from csrc/kernel_table.py.
+const std::vector<BwdKernelEntry>& bwd_kernel_table() {
+  static const std::vector<BwdKernelEntry> table = {
+#include "generated/kernel_table.inc"
+  };
+  return table;
+}
+
+// Checks a tensor laid out like q (same shape and dtype, TMA-compatible strides) and returns its
+// (batch, head, row) strides.
+std::array<int64_t, 3> like_q_strides(const char* fn, const at::Tensor& t, const char* name, const at::Tensor& q) {
+  check_operand(t, name, q);
+  TORCH_CHECK(t.sizes() == q.sizes() && t.scalar_type() == q.scalar_type(), fn, ": ", name,
+              " must have q's shape and dtype");
+  return {tma_stride(t, 0, name), tma_stride(t, 1, name), tma_stride(t, 2, name)};
+}
+std::array<int64_t, 3> like_kv_strides(const char* fn, const at::Tensor& t, const char* name, const at::Tensor& k) {
+  check_operand(t, name, k);
+  TORCH_CHECK(t.sizes() == k.sizes() && t.scalar_type() == k.scalar_type(), fn, ": ", name,
+              " must have k's shape and dtype");
+  return {tma_stride(t, 0, name), tma_stride(t, 1, name), tma_stride(t, 2, name)};
+}
+
+// Strides of a [B, Hq, Sq, Sk] view (mask or mask gradient); size-1 dims are never stepped over, so
+// they read as broadcast (0).
+std::array<int64_t, 4> broadcast_strides(const char* fn, const at::Tensor& t, const char* name, const at::Tensor& q,
+                                         int64_t seqlen_k) {
+  TORCH_CHECK(t.is_cuda() && t.device() == q.device(), fn, ": ", name, " must be on q's device");
+  TORCH_CHECK(t.dim() == 4 && t.size(0) == q.size(0) && t.size(1) == q.size(1) && t.size(2) == q.size(2) &&
+                  t.size(3) == seqlen_k,
+              fn, ": ", name, " must be expanded to [B, Hq, Sq, Sk]");
+  std::array<int64_t, 4> strides;
+  for (int d = 0; d < 4; ++d) {
+    TORCH_CHECK(t.stride(d) >= 0, fn, ": ", name, " strides must be non-negative");
+    strides[d] = t.size(d) == 1 ? 0 : t.stride(d);
+  }
+  return strides;
+}
+
+}  // namespace
+
+// Attention backward into preallocated dq [B,Hq,Sq,D] and dk, dv [B,Hkv,Sk,D] (any TMA-compatible
+// strides). mask (optional): as fwd_masked takes it. dmask (optional, additive masks): float32, zeroed,
+// expanded to [B,Hq,Sq,Sk] with zero strides on the dims to sum over; receives dS added in.
+void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+         const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, double scale, bool is_causal,
+         bool deterministic, const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& dmask) {
+  constexpr const char* fn = "fa2_inductor._C.bwd";
+  const fa2::FwdParams f = describe_call(fn, q, k, v, out, lse, scale);
+  TORCH_CHECK(f.batch > 0 && f.heads_q > 0 && f.seqlen_q > 0 && f.seqlen_k > 0, fn,
+              ": empty problems need no kernel (the caller's)");
+  fa2::BwdParams p;
+  p.q = f.q;
+  p.k = f.k;
+  p.v = f.v;
+  p.o = f.o;
+  p.lse = f.lse;
+  p.batch = f.batch;
+  p.heads_q = f.heads_q;
+  p.heads_kv = f.heads_kv;
+  p.seqlen_q = f.seqlen_q;
+  p.seqlen_k = f.seqlen_k;
+  p.head_dim = f.head_dim;
+  p.q_batch_stride = f.q_batch_stride, p.q_head_stride = f.q_head_stride, p.q_row_stride = f.q_row_stride;
+  p.k_batch_stride = f.k_batch_stride, p.k_head_stride = f.k_head_stride, p.k_row_stride = f.k_row_stride;
+  p.v_batch_stride = f.v_batch_stride, p.v_head_stride = f.v_head_stride, p.v_row_stride = f.v_row_stride;
+  p.o_batch_stride = f.o_batch_stride, p.o_head_stride = f.o_head_stride, p.o_row_stride = f.o_row_stride;
+  p.lse_batch_stride = f.lse_batch_stride, p.lse_head_stride = f.lse_head_stride;
+  const auto s_do = like_q_strides(fn, dout, "dout", q);
+  const auto s_dq = like_q_strides(fn, dq, "dq", q);
+  const auto s_dk = like_kv_strides(fn, dk, "dk", k);
+  const auto s_dv = like_kv_strides(fn, dv, "dv", k);
+  p.dout = dout.data_ptr();
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.do_batch_stride = s_do[0], p.do_head_stride = s_do[1], p.do_row_stride = s_do[2];
+  p.dq_batch_stride = s_dq[0], p.dq_head_stride = s_dq[1], p.dq_row_stride = s_dq[2];
+  p.dk_batch_stride = s_dk[0], p.dk_head_stride = s_dk[1], p.dk_row_stride = s_dk[2];
+  p.dv_batch_stride = s_dv[0], p.dv_head_stride = s_dv[1], p.dv_row_stride = s_dv[2];
+  p.scale = float(scale);
+  p.causal = is_causal;
+  p.deterministic = deterministic;
+
+  int variant = is_causal ? 1 : 0;
+  if (mask.has_value()) {
+    TORCH_CHECK(!is_causal, fn, ": a mask together with is_causal is not supported");
+    const at::Tensor& m = *mask;
+    switch (m.scalar_type()) {
+      case at::kBool: p.mask_dtype = fa2::MaskDType::kBool; variant = 2; break;
+      case at::kFloat: p.mask_dtype = fa2::MaskDType::kF32; variant = 3; break;
+      case at::kBFloat16: p.mask_dtype = fa2::MaskDType::kBF16; variant = 3; break;
+      case at::kHalf: p.mask_dtype = fa2::MaskDType::kF16; variant = 3; break;
+      default: TORCH_CHECK(false, fn, ": mask dtype must be bool, float32, bfloat16 or float16, got ", m.scalar_type());
+    }
+    static_assert(sizeof(bool) == 1, "bool masks are read as bytes");
+    const auto s = broadcast_strides(fn, m, "mask", q, f.seqlen_k);
+    p.mask = m.data_ptr();
+    p.mask_batch_stride = s[0], p.mask_head_stride = s[1], p.mask_row_stride = s[2], p.mask_col_stride = s[3];
+    const int64_t class_slices = (s[0] == 0 ? 1 : f.batch) * (s[1] == 0 ? 1 : f.heads_q);
+    TORCH_CHECK(class_slices <= 65535, fn, ": mask too large for the block classification grid");
+  }
+  if (dmask.has_value()) {
+    TORCH_CHECK(variant == 3, fn, ": dmask needs an additive mask");
+    const at::Tensor& g = *dmask;
+    TORCH_CHECK(g.scalar_type() == at::kFloat, fn, ": dmask must be float32");
+    const auto s = broadcast_strides(fn, g, "dmask", q, f.seqlen_k);
+    p.dmask = g.data_ptr<float>();
+    p.dmask_batch_stride = s[0], p.dmask_head_stride = s[1], p.dmask_row_stride = s[2], p.dmask_col_stride = s[3];
+  }
+
+  const fa2::DType dtype = q.scalar_type() == at::kBFloat16 ? fa2::DType::kBF16 : fa2::DType::kFP16;
+  const BwdKernelEntry* entry = nullptr;
+  for (const auto& e : bwd_kernel_table()) {
+    if (e.head_dim == f.head_dim && e.dtype == dtype) entry = &e;
+  }
+  TORCH_CHECK(entry != nullptr, fn, ": no kernel compiled for head dim ", f.head_dim, " and dtype ", q.scalar_type());
+  c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor workspace = at::empty({entry->workspace[variant](p)}, q.options().dtype(at::kByte));
+  p.workspace = workspace.data_ptr();
+  check_launch(fn, entry->run[variant](p, c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+void register_bwd(pybind11::module_& m) {
+  m.def("bwd", &bwd,
+        "Attention backward into preallocated dq, dk, dv (optional mask as fwd_masked takes it, optional float32 "
+        "dmask accumulator)",
+        pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
+        pybind11::arg("lse"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"), pybind11::arg("scale"),
+        pybind11::arg("is_causal"), pybind11::arg("deterministic"), pybind11::arg("mask") = pybind11::none(),
+        pybind11::arg("dmask") = pybind11::none());
+}
+// ===== end of the backward kernel binding ========================================================
+
 std::vector<std::tuple<int64_t, std::string>> compiled_kernels() {
   std::vector<std::tuple<int64_t, std::string>> result;
   for (const auto& e : kernel_table()) result.emplace_back(e.head_dim, e.dtype_name);
@@ -303,4 +464,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("v"), pybind11::arg("source") = pybind11::none());
   m.def("compiled_kernels", &compiled_kernels, "List of (head_dim, dtype_name) compiled into this build");
   m.def("limits", &limits, "The limits every compiled kernel shares");
+  register_bwd(m);  // the backward kernel binding's one line here
 }

@@ -10,17 +10,25 @@ from __future__ import annotations
 HEAD_DIMS = (64, 128, 256)
 DTYPES = {"bf16": "kBF16", "fp16": "kFP16"}
 
-# Variant name -> (what it is, its explicit instantiations).
+FORWARD = "../fa2/launch.hpp"
+BACKWARD = "../fa2/bwd_launch.hpp"
+# Unit name -> (what it is, the header its instantiations need, its explicit instantiations).
 VARIANTS = {
-    "plain": ("no mask", ["FA2_INSTANTIATE_FWD({d}, {t}, false)"]),
-    "causal": ("causal (top-left), optional left window", ["FA2_INSTANTIATE_FWD({d}, {t}, true)"]),
-    "maskbool": ("boolean mask (True = attend) with its pre-pass",
-                 ["FA2_INSTANTIATE_FWD_MASKED({d}, {t}, kBool, false)", "FA2_INSTANTIATE_MASK_WORKSPACE({d}, {t}, kBool)"]),
-    "maskbool_causal": ("boolean mask and causal/window positions",
-                        ["FA2_INSTANTIATE_FWD_MASKED({d}, {t}, kBool, true)"]),
-    "maskadd": ("additive float mask with its pre-pass",
-                ["FA2_INSTANTIATE_FWD_MASKED({d}, {t}, kAdditive, false)",
-                 "FA2_INSTANTIATE_MASK_WORKSPACE({d}, {t}, kAdditive)"]),
+    "fwd_plain": ("forward, no mask", FORWARD, ["FA2_INSTANTIATE_FWD({d}, {t}, false)"]),
+    "fwd_causal": ("forward, causal (top-left), optional left window", FORWARD, ["FA2_INSTANTIATE_FWD({d}, {t}, true)"]),
+    "fwd_maskbool": ("forward, boolean mask (True = attend) with its pre-pass", FORWARD,
+                     ["FA2_INSTANTIATE_FWD_MASKED({d}, {t}, kBool, false)",
+                      "FA2_INSTANTIATE_MASK_WORKSPACE({d}, {t}, kBool)"]),
+    "fwd_maskbool_causal": ("forward, boolean mask and causal/window positions", FORWARD,
+                            ["FA2_INSTANTIATE_FWD_MASKED({d}, {t}, kBool, true)"]),
+    "fwd_maskadd": ("forward, additive float mask with its pre-pass", FORWARD,
+                    ["FA2_INSTANTIATE_FWD_MASKED({d}, {t}, kAdditive, false)",
+                     "FA2_INSTANTIATE_MASK_WORKSPACE({d}, {t}, kAdditive)"]),
+    "bwd_plain": ("backward, no mask", BACKWARD, ["FA2_INSTANTIATE_BWD({d}, {t}, false, kNone)"]),
+    "bwd_causal": ("backward, causal (top-left)", BACKWARD, ["FA2_INSTANTIATE_BWD({d}, {t}, true, kNone)"]),
+    "bwd_maskbool": ("backward, boolean mask", BACKWARD, ["FA2_INSTANTIATE_BWD({d}, {t}, false, kBool)"]),
+    "bwd_maskadd": ("backward, additive mask (and its gradient)", BACKWARD,
+                    ["FA2_INSTANTIATE_BWD({d}, {t}, false, kAdditive)"]),
 }
 
 # Compile units that every build has once (not per head dim).
@@ -39,17 +47,21 @@ def compile_units(head_dims, dtypes) -> dict[str, str]:
     units = {}
     for d in sorted(head_dims):
         for name in sorted(dtypes):
-            for variant, (what, lines) in VARIANTS.items():
+            for variant, (what, header, lines) in VARIANTS.items():
                 body = "\n".join(line.format(d=d, t=DTYPES[name]) for line in lines)
-                units[f"{GENERATED_DIR}/fwd_hdim{d}_{name}_{variant}.cu"] = (
-                    f"// Generated from csrc/kernel_table.py: forward, head dim {d}, {name}, {what}.\n"
-                    f'#include "../fa2/launch.hpp"\n{body}\n')
+                units[f"{GENERATED_DIR}/hdim{d}_{name}_{variant}.cu"] = (
+                    f"// Generated from csrc/kernel_table.py: head dim {d}, {name}, {what}.\n"
+                    f'#include "{header}"\n{body}\n')
     for unit, (what, source) in SHARED_UNITS.items():
         units[f"{GENERATED_DIR}/{unit}.cu"] = f"// Generated from csrc/kernel_table.py: {what}.\n{source}"
     return units
 
 
 def binding_table(head_dims, dtypes) -> str:
-    """The rows of api.cpp's kernel table, one FA2_ENTRY per compiled (head dim, dtype)."""
-    rows = [f'FA2_ENTRY({d}, {DTYPES[name]}, "{name}")' for d in sorted(head_dims) for name in sorted(dtypes)]
-    return "// Generated from csrc/kernel_table.py.\n" + "\n".join(rows) + "\n"
+    """The rows of api.cpp's kernel tables: FA2_ENTRY (forward) and FA2_BWD_ENTRY (backward) per compiled
+    (head dim, dtype), each behind the macro of its table so one file serves both."""
+    pairs = [(d, name) for d in sorted(head_dims) for name in sorted(dtypes)]
+    forward = "\n".join(f'FA2_ENTRY({d}, {DTYPES[name]}, "{name}")' for d, name in pairs)
+    backward = "\n".join(f"FA2_BWD_ENTRY({d}, {DTYPES[name]})" for d, name in pairs)
+    return ("// Generated from csrc/kernel_table.py.\n#if defined(FA2_ENTRY)\n" + forward + "\n#endif\n"
+            "#if defined(FA2_BWD_ENTRY)\n" + backward + "\n#endif\n")

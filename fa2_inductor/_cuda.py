@@ -185,11 +185,87 @@ def forward(
         _extension.C.fill_empty_rows(out, lse, v, unmasked)
 
 
+# ===== the Hopper backward kernel ==================================================================
+# The backward's step entries name a query head of the group in 14 bits (csrc/fa2/bwd_mask.hpp kMaxHeadRatio).
+_MAX_BACKWARD_HEAD_RATIO = 1 << 14
+
+
+def backward_kernel_unsupported_reason(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    attn_mask: Optional[Tensor], is_causal: bool, compute_mask_grad: bool, window_left: int = -1,
+) -> Optional[str]:
+    """None when ``backward_kernel`` runs this call: what the forward kernel covers, less a window and a
+    mask together with is_causal."""
+    if not hasattr(_extension.C, "bwd"):
+        return "kernel built without the backward"
+    if window_left != -1:
+        return "window_left (the backward kernel has no window)"
+    if attn_mask is not None and is_causal:
+        return "attn_mask together with is_causal (the backward kernel takes one or the other)"
+    reason = kernel_unsupported_reason(q, k, v, attn_mask, is_causal)
+    if reason is not None:
+        return reason
+    for name, t in (("grad_out", grad_out), ("out", out)):
+        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+            return f"{name} does not match q"
+    if q.shape[1] // k.shape[1] >= _MAX_BACKWARD_HEAD_RATIO:
+        return f"more than {_MAX_BACKWARD_HEAD_RATIO - 1} query heads per kv head"
+    if compute_mask_grad and torch.are_deterministic_algorithms_enabled():
+        b, hq, sq, _ = q.shape
+        full = (b, hq, sq, k.shape[2])
+        shape = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
+        if any(m == 1 and n > 1 for m, n in zip(shape, full)):
+            return "deterministic mask gradient summed over broadcast dims"
+    return None
+
+
+def backward_kernel(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    attn_mask: Optional[Tensor], scale: float, is_causal: bool, compute_mask_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dmask) from the Hopper backward kernel (only where ``backward_kernel_unsupported_reason``
+    accepted the call): contiguous, in the inputs' dtypes; dmask empty unless compute_mask_grad.
+    Deterministic (bit-identical run to run) when torch.are_deterministic_algorithms_enabled()."""
+    b, hq, sq, _ = q.shape
+    sk = k.shape[2]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dmask_sum = None
+    if compute_mask_grad:
+        dmask_sum = torch.zeros((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape), dtype=torch.float32, device=q.device)
+    if b * hq * sq == 0 or sk == 0:  # nothing to attend: every gradient is zero (or empty)
+        for t in (dq, dk, dv):
+            t.zero_()
+    else:
+        # Autograd may hand over any layout (e.g. the zero strides of a sum's gradient): copy what TMA can't read.
+        grad_out, out = (t if _layout_reason("t", t) is None else t.contiguous() for t in (grad_out, out))
+        mask = None if attn_mask is None else _expanded_mask(attn_mask, q, k)
+        dmask = None if dmask_sum is None else dmask_sum.expand(b, hq, sq, sk)
+        _extension.C.bwd(grad_out, q, k, v, out, lse, dq, dk, dv, float(scale), bool(is_causal),
+                         torch.are_deterministic_algorithms_enabled(), mask, dmask)
+    if dmask_sum is None:
+        return dq, dk, dv, q.new_empty(0)
+    return dq, dk, dv, dmask_sum.reshape(attn_mask.shape).to(attn_mask.dtype)
+# ===== end of the Hopper backward kernel ===========================================================
+
+
 def _flash_backward_op():
     return getattr(torch.ops.aten, "_flash_attention_backward", None)
 
 
 def backward_unsupported_reason(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1
+) -> Optional[str]:
+    """None when the op's backward runs a fast kernel: ours (``backward_kernel``) or else PyTorch's
+    flash-attention backward (``backward``)."""
+    if q.device.type == "cuda" and backward_kernel_unsupported_reason(
+            q, q, k, v, q, attn_mask, is_causal, False, window_left) is None:
+        return None
+    return flash_backward_unsupported_reason(q, k, v, attn_mask, is_causal, window_left)
+
+
+def flash_backward_unsupported_reason(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1
 ) -> Optional[str]:
     """None when ``backward`` can run this call through PyTorch's flash-attention backward."""

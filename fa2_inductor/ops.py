@@ -161,7 +161,16 @@ def _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, com
 @flash_attention_bwd.register_kernel("cuda")
 def _flash_attention_bwd_cuda(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad,
                               window_left=-1):
-    if compute_mask_grad or _cuda.backward_unsupported_reason(q, k, v, attn_mask, is_causal, window_left) is not None:
+    # Our Hopper backward where it covers the call; else PyTorch's flash backward (counted), else the reference.
+    reason = _cuda.backward_kernel_unsupported_reason(grad_out, q, k, v, out, attn_mask, is_causal, compute_mask_grad,
+                                                      window_left)
+    if reason is None:
+        return _cuda.backward_kernel(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad)
+    from torch._dynamo.utils import counters
+
+    counters["fa2_inductor"][f"backward_fallback:{reason}"] += 1
+    if compute_mask_grad or _cuda.flash_backward_unsupported_reason(q, k, v, attn_mask, is_causal, window_left) is not None:
+        _note_reference_fallback(f"backward: {reason}")
         return _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left)
     dq, dk, dv = _cuda.backward(grad_out, q, k, v, out, lse, scale, is_causal, window_left)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty(0)

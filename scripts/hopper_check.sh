@@ -13,7 +13,8 @@
 #               kernel is compiled and reported), ptxas.txt (registers, spills, C7510/C7512), info.txt
 #   gpu-tests   python -m pytest tests/gpu, each test cut after TEST_TIMEOUT_S (a hang fails that test,
 #               the stacks go to gpu_tests_hangs.txt, the run resumes after it) -> gpu_tests.log
-#   sanitize    compute-sanitizer memcheck and racecheck on scripts/sanitize_cases.py -> sanitize_*.log
+#   sanitize    compute-sanitizer memcheck and racecheck on scripts/sanitize_cases.py (forward) and
+#               scripts/backward_sanitize.py -> *_memcheck.log, *_racecheck.log
 #   bench       python -m fa2_inductor.bench --json bench.json --plot bench.png (BENCH_ARGS adds options)
 #   mask-bench  python -m fa2_inductor.bench --masks --json mask_bench.json
 #   e2e         python -m fa2_inductor.bench_e2e --json e2e.json (E2E_ARGS adds options, quotes allowed)
@@ -164,11 +165,13 @@ stage_suite() { guarded_pytest suite -q tests; }
 stage_sanitize() {
   local sanitizer; sanitizer=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
   if [[ ! -x $sanitizer ]]; then RESULT="compute-sanitizer not found (it comes with the CUDA toolkit, in its bin/)"; return 1; fi
-  local tool rc=0 parts=()
-  for tool in memcheck racecheck; do
-    limited "$sanitizer" --tool "$tool" --print-limit 50 --error-exitcode 3 "$PY" scripts/sanitize_cases.py \
-      > "$RESULTS/sanitize_$tool.log" 2>&1 || rc=$?
-    parts+=("$tool: $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$RESULTS/sanitize_$tool.log" | tail -1 | sed 's/^=* *//')")
+  local tool cases rc=0 parts=()
+  for cases in sanitize_cases backward_sanitize; do  # the forward's calls, then the backward's
+    for tool in memcheck racecheck; do
+      local log="$RESULTS/${cases}_$tool.log"
+      limited "$sanitizer" --tool "$tool" --print-limit 50 --error-exitcode 3 "$PY" "scripts/$cases.py" > "$log" 2>&1 || rc=$?
+      parts+=("$cases $tool: $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1 | sed 's/^=* *//')")
+    done
   done
   RESULT="$(IFS=';'; echo "${parts[*]}")"
   return $rc

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from .backward import backward_rows
 from .cases import CAUSAL_CHOICES, DTYPES, PAPER_HIDDEN, PAPER_TOKENS, sweep_cells
 from .implementations import DEFAULT_IMPLS, IMPLEMENTATIONS, TOLERANCES
 from .masks import mask_rows
@@ -94,6 +95,11 @@ def _parser() -> argparse.ArgumentParser:
         "is_causal, padding vs no mask at the same visible keys, sliding window vs SDPA, HF/T5 additive masks, "
         "pre-pass cost; writes --json",
     )
+    parser.add_argument(
+        "--backward", action="store_true",
+        help="training rows instead: forward+backward and backward alone of fa2_inductor, sdpa_flash and "
+        "sdpa_cudnn on the sweep's cells (gradients checked first); writes --json and two plots beside --plot",
+    )
     return parser
 
 
@@ -164,14 +170,17 @@ def replot(json_path: Path, plot_path: Path) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit status 1 when any implementation was WRONG or failed, so a script running the sweep notices."""
     args = parse_args(argv)
-    if args.replot is None and (args.masks or args.sites or torch.device(args.device).type == "cuda"):
-        mode = " --masks" if args.masks else (" --sites" if args.sites else "")
+    modes = [flag for flag in ("masks", "sites", "backward") if getattr(args, flag)]
+    if args.replot is None and (modes or torch.device(args.device).type == "cuda"):
+        mode = "".join(f" --{flag}" for flag in modes)
         exit_without_cuda(f"python -m fa2_inductor.bench{mode}", f"python -m fa2_inductor.bench {CPU_SMOKE_FLAGS}")
     if args.masks:
         return mask_rows(args)
     if args.sites:
         run_sites(args)
         return 0
+    if args.backward:
+        return backward_rows(args)
     if args.replot is not None:
         replot(args.replot, args.plot)
         return 0

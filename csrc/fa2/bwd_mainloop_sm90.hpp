@@ -1,0 +1,510 @@
+// Mainloop of the Hopper backward kernel. One CTA owns a key tile of one (batch, kv head); per step
+// (one query tile of one query head of the group) the MMA warpgroups run
+//   S^T = K.Q^T, dP^T = V.dO^T          (SS-WGMMA, both in registers)
+//   P = exp(S * scale - LSE), dS = P * (dP - D)
+//   dV += P^T.dO, dK += dS^T.Q          (RS-WGMMA from registers; SS through shared memory for D = 256)
+//   dQ  = dS.K                          (SS-WGMMA; dS written to shared memory with transposing stmatrix)
+// and add the float32 dQ partial to the accumulator (a writer warp's bulk reductions, or direct atomics).
+// The producer warp streams Q/LSE and dO/D tiles through two TMA pipelines; K and V are loaded once.
+#pragma once
+
+#include <cmath>
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "bwd_traits.hpp"
+#include "bwd_mask.hpp"
+#include "softmax.hpp"  // acc_to_a_operand_layout
+
+namespace fa2 {
+
+using namespace cute;
+
+// ---------------------------------------------------------------------------------------------
+// Schedule: the query tiles a CTA visits, shared by the producer, the MMA warpgroups and the writer.
+
+// The steps of one CTA: (query head of the kv head's group, query tile) pairs, heads outer and query
+// tiles ascending, as entries head_in_group << 17 | m_block << 1 | partial (m_block < 65536). Unmasked:
+// every query tile from the first one a key of this tile is visible to (causal) up to the end, the
+// same for every head; `partial` is unused (tails and the causal diagonal follow from the indices).
+// Masked: the pre-pass's list, fully masked blocks left out.
+template <class Traits>
+struct BwdSchedule {
+  int first = 0;                // masked kernels: index of the first step's entry in args.mask.lists
+  int begin = 0, per_head = 0;  // unmasked kernels
+  int count = 0;
+
+  // (A 32-bit index rather than a pointer: one register less in the MMA warps' loop.)
+  CUTE_DEVICE int entry(const BwdKernelArgs<Traits>& args, int step) const {
+    if constexpr (Traits::kMask == MaskKind::kNone) {
+      const int head_in_group = step / per_head;
+      return (head_in_group << 17) | ((begin + step - head_in_group * per_head) << 1);
+    } else {
+      return args.mask.lists[first + step];
+    }
+  }
+  CUTE_HOST_DEVICE static int head_in_group(int entry) { return entry >> 17; }
+  CUTE_HOST_DEVICE static int block(int entry) { return (entry >> 1) & 0xffff; }
+  CUTE_HOST_DEVICE static bool partial(int entry) { return entry & 1; }
+};
+
+// Top-left causal: query i sees key j iff j <= i, so the key tile n is first seen by query tile
+// floor(n * kBlockN / kBlockM).
+template <class Traits>
+CUTE_HOST_DEVICE int first_query_block(int n_block) {
+  return Traits::kCausal ? n_block * Traits::kBlockN / Traits::kBlockM : 0;
+}
+
+template <class Traits>
+CUTE_DEVICE BwdSchedule<Traits> bwd_schedule(const BwdKernelArgs<Traits>& args, int n_block, int head_kv, int batch) {
+  BwdSchedule<Traits> schedule;
+  if constexpr (Traits::kMask == MaskKind::kNone) {
+    schedule.begin = first_query_block<Traits>(n_block);
+    schedule.per_head = max(0, args.num_m_blocks - schedule.begin);
+    schedule.count = args.head_ratio * schedule.per_head;
+  } else {
+    // Fits 32 bits: the lists hold B * Hq * N * M + B * Hkv * N ints, under 2^31 for any mask that fits
+    // in memory (bwd_mask_prepass.hpp checks).
+    const int cta = (batch * (args.heads_q / args.head_ratio) + head_kv) * args.num_n_blocks + n_block;
+    const int list = cta * (args.head_ratio * args.num_m_blocks + 1);
+    schedule.count = args.mask.lists[list];
+    schedule.first = list + 1;
+  }
+  return schedule;
+}
+
+// Deterministic mode: the key tiles adding into one query tile's dQ take turns in a fixed order; this
+// is the number of tiles before this one. Unmasked: ascending key tiles. Causal: descending (the grid
+// launches the short, high key tiles first, so no CTA waits for one not yet resident). Masked: the
+// pre-pass's rank among the visiting tiles, ascending.
+template <class Traits>
+CUTE_DEVICE int dq_turn(const BwdKernelArgs<Traits>& args, int n_block, int m_block, int head, int batch) {
+  using T = Traits;
+  if constexpr (T::kMask != MaskKind::kNone) {
+    const BwdMaskArgs& mk = args.mask;
+    const int64_t row = mk.classes.class_slice(batch, head) * mk.classes.class_m_blocks +
+                        (mk.classes.row_broadcast ? 0 : m_block);
+    return mk.ranks[row * args.num_n_blocks + n_block];
+  } else if constexpr (T::kCausal) {
+    // The last key tile visible to query tile m: n * kBlockN < (m + 1) * kBlockM.
+    const int last = min(args.num_n_blocks - 1, ((m_block + 1) * T::kBlockM + T::kBlockN - 1) / T::kBlockN - 1);
+    return last - n_block;
+  } else {
+    return n_block;
+  }
+}
+
+// The key tile of this CTA: blockIdx.x, or descending for causal deterministic launches (see dq_turn).
+// An affine map of blockIdx.x with kernel-parameter coefficients, cheap to recompute anywhere.
+template <class Traits>
+CUTE_DEVICE int bwd_key_block(const BwdKernelArgs<Traits>& args) {
+  int x;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x) : : "memory");  // re-read at each use, never held in a register
+  return args.key_block_first + args.key_block_step * x;
+}
+
+// Index of the (batch, head, query tile) among all query tiles: its LSE/D rows, dQ partial and turn
+// counter. 32 bits suffice: the float32 dQ accumulator holds kBlockM * D floats per tile, so 2^31 tiles
+// could never be allocated.
+template <class Traits>
+CUTE_DEVICE int query_tile_index(const BwdKernelArgs<Traits>& args, int batch, int head, int m_block) {
+  return (batch * args.heads_q + head) * args.num_m_blocks + m_block;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Global-memory synchronisation of the deterministic mode.
+
+CUTE_DEVICE int load_acquire(const int32_t* ptr) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(value) : "l"(ptr) : "memory");
+  return value;
+}
+CUTE_DEVICE void wait_turn(const int32_t* counter, int target) {
+  while (load_acquire(counter) < target) {
+  }
+}
+// Orders global accesses of the async proxy (bulk reductions) with those of the generic proxy.
+CUTE_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+CUTE_DEVICE void bulk_reduce_add(float* gmem, const float* smem, int bytes) {
+  const uint32_t smem_addr = cute::cast_smem_ptr_to_uint(smem);
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :
+               : "l"(gmem), "r"(smem_addr), "r"(bytes)
+               : "memory");
+}
+CUTE_DEVICE void bulk_wait_complete() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Named barrier kBase + warpgroup with the id as an immediate in each branch (no register holds it).
+template <int kBase>
+CUTE_DEVICE void warpgroup_barrier_sync(int wg, int threads) {
+  if (wg == 0) {
+    cutlass::arch::NamedBarrier::sync(threads, kBase);
+  } else {
+    cutlass::arch::NamedBarrier::sync(threads, kBase + 1);
+  }
+}
+template <int kBase>
+CUTE_DEVICE void warpgroup_barrier_arrive(int wg, int threads) {
+  if (wg == 0) {
+    cutlass::arch::NamedBarrier::arrive(threads, kBase);
+  } else {
+    cutlass::arch::NamedBarrier::arrive(threads, kBase + 1);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Producer: warp 0 walks the schedule (warp-uniform, so its bookkeeping stays in uniform registers)
+// and lane 0 issues every load. K and V once (one barrier); per step the Q tile with its LSE rows on
+// the Q pipeline and the dO tile with its D rows on the dO pipeline.
+template <class Traits>
+CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
+                          typename Traits::PipelineQ& pipe_q, typename Traits::PipelineDO& pipe_do, int n_block,
+                          int head_kv, int batch) {
+  using T = Traits;
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQ{});
+  Tensor sDO = make_tensor(make_smem_ptr(smem.dout.data()), typename T::SmemLayoutDO{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutV{});
+
+  Tensor mK = args.tma_k.get_tma_tensor(args.shape_kv);
+  Tensor mV = args.tma_v.get_tma_tensor(args.shape_kv);
+  Tensor gK = local_tile(mK(_, _, head_kv, batch), Shape<typename T::TileN, typename T::TileD>{},
+                         make_coord(n_block, _0{}));
+  Tensor gV = local_tile(mV(_, _, head_kv, batch), Shape<typename T::TileN, typename T::TileD>{},
+                         make_coord(n_block, _0{}));
+  auto [tKgK, tKsK] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+  auto [tVgV, tVsV] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+  const bool leader = threadIdx.x % 32 == 0;  // the pipelines' leader (is_leader) too
+  if (leader) {
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_kv, 2 * T::kBytesKV);
+    copy(args.tma_k.with(smem.barrier_kv, 0), tKgK, tKsK);
+    copy(args.tma_v.with(smem.barrier_kv, 0), tVgV, tVsV);
+  }
+
+  Tensor mQ = args.tma_q.get_tma_tensor(args.shape_q);
+  Tensor mDO = args.tma_do.get_tma_tensor(args.shape_q);
+  auto write_q = cutlass::make_producer_start_state<typename T::PipelineQ>();
+  auto write_do = cutlass::make_producer_start_state<typename T::PipelineDO>();
+  const BwdSchedule<T> schedule = bwd_schedule<T>(args, n_block, head_kv, batch);
+#pragma unroll 1  // 24 registers: one step's bookkeeping at a time
+  for (int step = 0; step < schedule.count; ++step) {
+    const int entry = schedule.entry(args, step);
+    const int head = head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);  // K/V never copied
+    const int m_block = BwdSchedule<T>::block(entry);
+    const int stats_row = query_tile_index<T>(args, batch, head, m_block) * T::kBlockM;
+
+    pipe_q.producer_acquire(write_q);
+    if (leader) {
+      Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<typename T::TileM, typename T::TileD>{},
+                             make_coord(m_block, _0{}));
+      auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      uint64_t* bar_q = pipe_q.producer_get_barrier(write_q);
+      copy(args.tma_q.with(*bar_q, 0), tQgQ, tQsQ(_, write_q.index()));
+      SM90_BULK_COPY_G2S::copy(args.lse + stats_row, bar_q, smem.lse.data() + write_q.index() * T::kBlockM,
+                               T::kBytesRowStats);
+    }
+    ++write_q;
+
+    pipe_do.producer_acquire(write_do);
+    if (leader) {
+      Tensor gDO = local_tile(mDO(_, _, head, batch), Shape<typename T::TileM, typename T::TileD>{},
+                              make_coord(m_block, _0{}));
+      auto [tDOgDO, tDOsDO] =
+          tma_partition(args.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sDO), group_modes<0, 2>(gDO));
+      uint64_t* bar_do = pipe_do.producer_get_barrier(write_do);
+      copy(args.tma_do.with(*bar_do, 0), tDOgDO, tDOsDO(_, write_do.index()));
+      SM90_BULK_COPY_G2S::copy(args.dsum + stats_row, bar_do, smem.dsum.data() + write_do.index() * T::kBlockM,
+                               T::kBytesRowStats);
+    }
+    ++write_do;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dQ writer (kStagedDq): one warp adds each warpgroup's staged dQ partial to the float32 accumulator
+// with a bulk reduction, then hands the staging buffer back. Deterministic mode: waits for its turn on
+// the query tile's counter first, and passes the turn on once the reductions have completed.
+template <class Traits>
+CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
+                               int n_block, int head_kv, int batch) {
+  using T = Traits;
+  constexpr int kHalf = T::kDqFloats / 2;  // one warpgroup's part of a tile's partial
+  constexpr int kSyncThreads = 128 + 32;
+  const bool leader = threadIdx.x % 32 == 0;
+  const BwdSchedule<T> schedule = bwd_schedule<T>(args, n_block, head_kv, batch);
+  if (schedule.count == 0) return;
+  CUTE_UNROLL
+  for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
+    cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);  // staging starts empty
+  }
+#pragma unroll 1  // 24 registers: one step's bookkeeping at a time
+  for (int step = 0; step < schedule.count; ++step) {
+    const int entry = schedule.entry(args, step);
+    const int head = head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);
+    const int m_block = BwdSchedule<T>::block(entry);
+    const int tile = query_tile_index<T>(args, batch, head, m_block);
+    float* accum = args.dq_accum + int64_t(tile) * T::kDqFloats;
+    if (args.deterministic && leader) {
+      wait_turn(args.dq_sem + tile, 2 * dq_turn<T>(args, n_block, m_block, head, batch));
+      fence_proxy_async_global();
+    }
+    __syncwarp();  // the whole warp meets the named barriers
+    CUTE_UNROLL
+    for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
+      cutlass::arch::NamedBarrier::sync(kSyncThreads, kBwdBarrierDqFull + wg);
+      if (leader) {
+        bulk_reduce_add(accum + wg * kHalf, smem.dq.data() + wg * kHalf, kHalf * int(sizeof(float)));
+        tma_store_arrive();
+        tma_store_wait<0>();  // the staging buffer has been read
+      }
+      __syncwarp();
+      if (step + 1 < schedule.count) cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);
+    }
+    if (args.deterministic && leader) {
+      bulk_wait_complete();
+      fence_proxy_async_global();
+      __threadfence();
+      atomicAdd(args.dq_sem + tile, 2);
+    }
+  }
+  if (leader) bulk_wait_complete();
+}
+
+// ---------------------------------------------------------------------------------------------
+// MMA warpgroups.
+
+// P = exp(S * scale [+ mask] - LSE) on the S^T fragment, in place; keys past Sk, keys after the query
+// (causal) and masked-out entries give 0. lse: this query tile's rows in the units of lse_row_value
+// (+inf for empty and padding rows, so P = 0 there).
+template <class Traits, class TensorS, class TensorC>
+CUTE_DEVICE void probabilities(const BwdKernelArgs<Traits>& args, TensorS& tSrS, const TensorC& tScS,
+                               const float* lse, int entry, int m_block, int head, int batch) {
+  using T = Traits;
+  const int n_block = bwd_key_block<T>(args);
+  const int m0 = m_block * T::kBlockM, n0 = n_block * T::kBlockN;
+  const bool key_tail = n0 + T::kBlockN > args.seqlen_k;
+  if constexpr (T::kMask == MaskKind::kAdditive) {
+    // Natural units: S * scale + mask - LSE is formed before the exp2 scaling (huge finite masks).
+    if (BwdSchedule<T>::partial(entry)) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) tSrS(i) *= args.scale;
+      add_additive_mask(tSrS, tScS, args.mask.classes, batch, head, m0, n0, args.seqlen_q, args.seqlen_k);
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) tSrS(i) = exp2f((tSrS(i) - lse[get<1>(tScS(i))]) * float(M_LOG2E));
+    } else {
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) {
+        tSrS(i) = exp2f((tSrS(i) * args.scale - lse[get<1>(tScS(i))]) * float(M_LOG2E));
+      }
+    }
+  } else {
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) tSrS(i) = exp2f(tSrS(i) * args.scale_log2 - lse[get<1>(tScS(i))]);
+    if constexpr (T::kMask == MaskKind::kBool) {
+      if (BwdSchedule<T>::partial(entry)) {
+        Tensor s_rc = make_tensor(tSrS.data(), acc_rowcol_layout(tSrS.layout()));
+        Tensor c_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+        apply_mask_bits<T::kBlockM, T::kBlockN>(s_rc, c_rc, args.mask.classes, m_block, n_block, head, batch);
+      }
+    }
+  }
+  const bool causal_diagonal = T::kCausal && n0 + T::kBlockN - 1 > m0;
+  if (key_tail || causal_diagonal) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) {
+      const int key = n0 + get<0>(tScS(i));
+      const int query = m0 + get<1>(tScS(i));
+      if (key >= args.seqlen_k || (T::kCausal && key > query)) tSrS(i) = 0.f;
+    }
+  }
+}
+
+// dS = P * (dP - D) on the dP^T fragment, in place. dsum: this query tile's D rows.
+template <class TensorDP, class TensorP, class TensorC>
+CUTE_DEVICE void score_gradients(TensorDP& tdPrdP, const TensorP& tSrP, const TensorC& tScS, const float* dsum) {
+  CUTE_UNROLL
+  for (int i = 0; i < size(tdPrdP); ++i) tdPrdP(i) = tSrP(i) * (tdPrdP(i) - dsum[get<1>(tScS(i))]);
+}
+
+// Adds this warpgroup's dQ partial (a dQ-MMA fragment) into query tile `tile`.
+template <class Traits, class FragDQ>
+CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
+                        const FragDQ& tdQrdQ, int tid, int tile, int turn) {
+  using T = Traits;
+  const int wg = tid / 128;
+  const int t = tid % 128;
+  static_assert(decltype(size(tdQrdQ))::value == T::kDqFloatsPerThread);
+  if constexpr (T::kStagedDq) {
+    constexpr int kSyncThreads = 128 + 32;
+    warpgroup_barrier_sync<kBwdBarrierDqEmpty>(wg, kSyncThreads);
+    float* stage = smem.dq.data();
+    CUTE_UNROLL
+    for (int i = 0; i < T::kDqFloatsPerThread; i += 4) {
+      *reinterpret_cast<float4*>(stage + dq_fragment_offset<T>(tid, i)) =
+          make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
+    }
+    cutlass::arch::fence_view_async_shared();  // st.shared visible to the bulk reduction
+    warpgroup_barrier_arrive<kBwdBarrierDqFull>(wg, kSyncThreads);
+  } else {
+    float* accum = args.dq_accum + int64_t(tile) * T::kDqFloats;
+    int32_t* counter = args.dq_sem + tile;
+    if (args.deterministic) {
+      if (t == 0) wait_turn(counter, 2 * turn);
+      __syncwarp();
+      warpgroup_barrier_sync<kBwdBarrierDqTurn>(wg, 128);
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < T::kDqFloatsPerThread; i += 4) {
+      atomicAdd(reinterpret_cast<float4*>(accum + dq_fragment_offset<T>(tid, i)),
+                make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3)));
+    }
+    if (args.deterministic) {
+      warpgroup_barrier_sync<kBwdBarrierDqTurn>(wg, 128);
+      if (t == 0) {
+        __threadfence();
+        atomicAdd(counter, 1);
+      }
+      __syncwarp();
+    }
+  }
+}
+
+// The whole key loop of one MMA warpgroup thread; on return tdKrdK (unscaled) and tdVrdV hold its
+// part of dK / scale and dV.
+template <class Traits, class FragDKV>
+CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
+                         typename Traits::PipelineQ& pipe_q, typename Traits::PipelineDO& pipe_do,
+                         FragDKV& tdKrdK, FragDKV& tdVrdV, int tid, int head_kv, int batch) {
+  using T = Traits;
+  using Element = typename T::Element;
+  using TileM = typename T::TileM;
+  using TileN = typename T::TileN;
+  using TileD = typename T::TileD;
+  typename T::TiledMmaSdP mma_sdp;
+  typename T::TiledMmaDKV mma_dkv;
+  typename T::TiledMmaDQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQt{});
+  Tensor sDO = make_tensor(make_smem_ptr(smem.dout.data()), typename T::SmemLayoutDO{});
+  Tensor sDOt = make_tensor(make_smem_ptr(smem.dout.data()), typename T::SmemLayoutDOt{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutKt{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutV{});
+  Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename T::SmemLayoutPdS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename T::SmemLayoutPdSt{});
+
+  // WGMMA operands (shared-memory descriptors): (MMA, MMA_M or MMA_N, MMA_K[, stage]).
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
+  Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tdPrdO = thr_sdp.partition_fragment_B(sDO);
+  Tensor tdVrdO = thr_dkv.partition_fragment_B(sDOt);
+  Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
+
+  // P and dS into shared memory: the S^T fragment stored transposed, as (queries, keys).
+  auto copy_pds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
+  auto thr_copy_pds = copy_pds.get_thread_slice(tid);
+  Tensor tPdSsdS = thr_copy_pds.partition_D(sdSt);  // (CPY, CPY_N, CPY_M, stage)
+
+  // (key, query) of each element of this thread's S^T fragment.
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<TileN, TileM>{}));
+
+  clear(tdKrdK);
+  clear(tdVrdV);
+  cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv, 0);
+
+  typename T::PipelineQ::PipelineState read_q;
+  typename T::PipelineDO::PipelineState read_do;
+  const BwdSchedule<T> schedule = bwd_schedule<T>(args, bwd_key_block<T>(args), head_kv, batch);
+  for (int step = 0; step < schedule.count; ++step) {
+    {  // one step: one query tile of one query head
+      const int entry = schedule.entry(args, step);
+      const int head = head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);
+      const int m_block = BwdSchedule<T>::block(entry);
+      const int m0 = m_block * T::kBlockM;
+      const int ds_stage = step % T::kStagesDS;
+
+      Tensor tSrS = partition_fragment_C(mma_sdp, Shape<TileN, TileM>{});
+      Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<TileN, TileM>{});
+      pipe_q.consumer_wait(read_q);
+      wg_gemm<true, -1, false>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
+      pipe_do.consumer_wait(read_do);
+      wg_gemm<true, -1, false>(mma_sdp, tdPrV, tdPrdO(_, _, _, read_do.index()), tdPrdP);
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(tSrS);
+      probabilities<T>(args, tSrS, tScS, smem.lse.data() + read_q.index() * T::kBlockM, entry, m_block, head, batch);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tdPrdP);
+      score_gradients(tdPrdP, tSrS, tScS, smem.dsum.data() + read_do.index() * T::kBlockM);
+      if constexpr (T::kMask == MaskKind::kAdditive) {
+        if (args.mask.dmask != nullptr) {
+          add_mask_gradient(args.mask, tdPrdP, tScS, batch, head, m0, bwd_key_block<T>(args) * T::kBlockN,
+                            args.seqlen_q, args.seqlen_k);
+        }
+      }
+
+      Tensor rP = make_tensor_like<Element>(tSrS);
+      convert_pairs(rP, tSrS);
+      Tensor rdS = make_tensor_like<Element>(tdPrdP);
+      convert_pairs(rdS, tdPrdP);
+      Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<TileM, TileD>{});
+      auto tdQrdS_step = tdQrdS(_, _, _, ds_stage);
+      const int tile = query_tile_index<T>(args, batch, head, m_block);
+      const int turn =
+          !T::kStagedDq && args.deterministic ? dq_turn<T>(args, bwd_key_block<T>(args), m_block, head, batch) : 0;
+      if constexpr (T::kSplitKeys) {
+        // dV += P^T.dO straight from registers, while dS goes to shared memory for dQ.
+        Tensor tdVrP = make_tensor(rP.data(), acc_to_a_operand_layout(rP.layout()));
+        wg_gemm<false, -1, true>(mma_dkv, tdVrP, tdVrdO(_, _, _, read_do.index()), tdVrdV);
+        copy(copy_pds, thr_copy_pds.retile_S(rdS), tPdSsdS(_, _, _, ds_stage));
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierDsReady);
+        wg_gemm<true, -1, false>(mma_dq, tdQrdS_step, tdQrK, tdQrdQ);
+        Tensor tdKrdS = make_tensor(rdS.data(), acc_to_a_operand_layout(rdS.layout()));
+        wg_gemm<false, -1, true>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read_q.index()), tdKrdK);
+        warpgroup_wait<1>();  // dV and dQ done, dK may still run
+        warpgroup_fence_operand(tdQrdQ);
+        pipe_do.consumer_release(read_do);
+        add_dq<T>(args, smem, tdQrdQ, tid, tile, turn);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_fence_operand(tdKrdK);
+        pipe_q.consumer_release(read_q);
+      } else {
+        // P and dS both through shared memory; every GEMM after the barrier reads all of them.
+        Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename T::SmemLayoutPdSt{});
+        Tensor tPdSsP = thr_copy_pds.partition_D(sPt);
+        copy(copy_pds, thr_copy_pds.retile_S(rP), tPdSsP(_, _, _, ds_stage));
+        copy(copy_pds, thr_copy_pds.retile_S(rdS), tPdSsdS(_, _, _, ds_stage));
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierDsReady);
+        wg_gemm<true, -1, false>(mma_dq, tdQrdS_step, tdQrK, tdQrdQ);
+        auto tdVrPt = thr_dkv.partition_fragment_A(sPt)(_, _, _, ds_stage);
+        wg_gemm<false, -1, false>(mma_dkv, tdVrPt, tdVrdO(_, _, _, read_do.index()), tdVrdV);
+        auto tdKrdSt = thr_dkv.partition_fragment_A(sdSt)(_, _, _, ds_stage);
+        wg_gemm<false, -1, false>(mma_dkv, tdKrdSt, tdKrQ(_, _, _, read_q.index()), tdKrdK);
+        warpgroup_wait<2>();  // dQ done; its adds overlap dV and dK
+        warpgroup_fence_operand(tdQrdQ);
+        add_dq<T>(args, smem, tdQrdQ, tid, tile, turn);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tdVrdV);
+        warpgroup_fence_operand(tdKrdK);
+        pipe_do.consumer_release(read_do);
+        pipe_q.consumer_release(read_q);
+      }
+      ++read_q;
+      ++read_do;
+    }
+  }
+}
+
+}  // namespace fa2

@@ -1,0 +1,239 @@
+// Type bundle of the Hopper backward kernel: tiles per head dim, the five WGMMA tiled MMAs, the
+// shared-memory layouts, TMA copy types and the kernel's argument block. docs/backward.md explains
+// the choices; this header only states them.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/copy_atom.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "bwd_params.h"
+#include "mainloop_sm90.hpp"  // ElementOf, wg_gemm, convert_pairs
+#include "bwd_mask.hpp"       // BwdMaskArgs
+
+namespace fa2 {
+
+using namespace cute;
+
+// One CTA owns kBlockN keys of one (batch, kv head) and walks the query tiles (kBlockM rows) of every
+// query head of its group. kSplitKeys: the two MMA warpgroups own 64 keys each, so S^T and dP^T stay in
+// registers and feed dV/dK as register operands (D <= 128). Otherwise (D = 256, where dK and dV of 128
+// keys would not fit in registers) the block has 64 keys, the warpgroups split the query tile for
+// S^T/dP^T and the head dim for dV/dK/dQ, and P goes through shared memory too.
+// kMasked: a mask kernel (its partial blocks need registers for the mask's bits or values).
+template <int HeadDim, bool kMasked>
+struct BwdTileConfig;
+template <bool kMasked>
+struct BwdTileConfig<64, kMasked> {
+  static constexpr int kBlockM = kMasked ? 64 : 128, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
+  static constexpr bool kSplitKeys = true;
+};
+template <bool kMasked>
+struct BwdTileConfig<128, kMasked> {
+  static constexpr int kBlockM = 64, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
+  static constexpr bool kSplitKeys = true;
+};
+template <bool kMasked>
+struct BwdTileConfig<256, kMasked> {
+  static constexpr int kBlockM = 64, kBlockN = 64, kStagesQ = 2, kStagesDO = 2;
+  static constexpr bool kSplitKeys = false;
+};
+
+// Named barrier ids of the backward kernel (CUTLASS's NamedBarrier adds its reserved offset).
+enum BwdBarrier : int {
+  kBwdBarrierDsReady = 0,   // both MMA warpgroups: dS (and P) of this step are in shared memory
+  kBwdBarrierEpilogue = 1,  // both MMA warpgroups: dK/dV staging
+  kBwdBarrierDqFull = 2,    // + warpgroup: its dQ partial is staged (warpgroup + dQ writer warp)
+  kBwdBarrierDqEmpty = 4,   // + warpgroup: the writer has read the staged partial
+  kBwdBarrierDqTurn = 6,    // + warpgroup: deterministic mode, direct dQ adds (one warpgroup)
+};
+
+template <int HeadDim_, DType Dt, bool Causal_, MaskKind Mask_ = MaskKind::kNone>
+struct BwdTraits {
+  using Element = typename ElementOf<Dt>::type;
+  using Config = BwdTileConfig<HeadDim_, Mask_ != MaskKind::kNone>;
+  static constexpr int kHeadDim = HeadDim_;
+  static constexpr int kBlockM = Config::kBlockM;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kStagesQ = Config::kStagesQ;
+  static constexpr int kStagesDO = Config::kStagesDO;
+  static constexpr int kStagesDS = 2;  // dS (and P) double-buffered: one barrier per step suffices
+  static constexpr bool kSplitKeys = Config::kSplitKeys;
+  static constexpr bool kCausal = Causal_;
+  static constexpr MaskKind kMask = Mask_;
+  static_assert(!(kCausal && kMask != MaskKind::kNone), "a mask tensor and causal are exclusive (as in SDPA)");
+  using MaskArgsT = typename BwdMaskArgsFor<Mask_>::type;
+  // dQ partials: staged in shared memory and added to the float32 accumulator by one warp with bulk
+  // reductions (TMA). Without room for the staging buffer (D = 256) the MMA warps add them directly.
+  static constexpr bool kStagedDq = kSplitKeys;
+  static_assert(kHeadDim % 64 == 0, "head dim must fill 128-byte swizzle rows");
+  static_assert(kSplitKeys ? kBlockN == 128 : kBlockN == 64, "one or two 64-key warpgroup slices");
+  static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0);
+
+  static constexpr int kMmaWarpgroups = 2;
+  static constexpr int kMmaThreads = 128 * kMmaWarpgroups;
+  static constexpr int kThreads = 128 + kMmaThreads;  // warpgroup 0: loads and dQ writes
+  // setmaxnreg moves registers between the warpgroups: what the MMA warpgroups gain must not exceed
+  // what the producer warpgroup gives back from the launch allocation (else setmaxnreg.inc waits forever).
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kMmaRegs = 240;
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kMmaRegs - kLaunchRegs) * kMmaThreads,
+                "register reconfiguration would deadlock");
+
+  using TileM = Int<kBlockM>;
+  using TileN = Int<kBlockN>;
+  using TileD = Int<kHeadDim>;
+
+  // S^T = K.Q^T and dP^T = V.dO^T: (M, N, K) = (keys, queries, head dim).
+  using AtomShapeSdP = std::conditional_t<kSplitKeys, Shape<TileN, TileM, TileD>, Shape<TileN, Int<kBlockM / 2>, TileD>>;
+  using AtomLayoutSdP = std::conditional_t<kSplitKeys, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>;
+  using TiledMmaSdP = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, AtomShapeSdP>(),
+                                              AtomLayoutSdP{}));
+  // dV += P^T.dO and dK += dS^T.Q: (keys, head dim, queries). kSplitKeys: P^T / dS^T from registers;
+  // otherwise from shared memory (keys contiguous, i.e. MN-major), each warpgroup half the head dim.
+  using AtomShapeDKV = std::conditional_t<kSplitKeys, Shape<TileN, TileD, TileM>, Shape<TileN, Int<kHeadDim / 2>, TileM>>;
+  using AtomLayoutDKV = std::conditional_t<kSplitKeys, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>;
+  using MmaOpDKV = std::conditional_t<
+      kSplitKeys,
+      decltype(GMMA::rs_op_selector<Element, Element, float, AtomShapeDKV, GMMA::Major::K, GMMA::Major::MN>()),
+      decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapeDKV, GMMA::Major::MN, GMMA::Major::MN>())>;
+  using TiledMmaDKV = decltype(make_tiled_mma(MmaOpDKV{}, AtomLayoutDKV{}));
+  // dQ = dS.K: (queries, head dim, keys). A 128-row query tile is split by rows, a 64-row one by head dim.
+  static constexpr bool kDqSplitRows = kBlockM == 128;
+  using AtomShapeDQ = std::conditional_t<kDqSplitRows, Shape<TileM, TileD, TileN>, Shape<TileM, Int<kHeadDim / 2>, TileN>>;
+  using AtomLayoutDQ = std::conditional_t<kDqSplitRows, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>;
+  using TiledMmaDQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, AtomShapeDQ, GMMA::Major::K, GMMA::Major::MN>(), AtomLayoutDQ{}));
+
+  // Every 16-bit tile keeps one dimension contiguous in 128-byte swizzled rows: Q, dO, K, V (and dK,
+  // dV, dQ staging) the head dim; P and dS (queries, keys) the keys.
+  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<TileM, TileD, Int<kStagesQ>>{}));
+  using SmemLayoutDO = decltype(tile_to_shape(SmemAtom{}, Shape<TileM, TileD, Int<kStagesDO>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<TileN, TileD>{}));
+  using SmemLayoutV = SmemLayoutK;
+  using SmemLayoutPdS = decltype(tile_to_shape(SmemAtom{}, Shape<TileM, TileN, Int<kStagesDS>>{}));
+  using SmemLayoutDQ = decltype(tile_to_shape(SmemAtom{}, Shape<TileM, TileD>{}));  // postprocess staging
+  // Transposed views (MN-major operands): Q^T and dO^T as (head dim, queries), K^T as (head dim, keys),
+  // P^T and dS^T as (keys, queries).
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<TileD, TileM, Int<kStagesQ>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutDOt = decltype(composition(
+      SmemLayoutDO{}, make_ordered_layout(Shape<TileD, TileM, Int<kStagesDO>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutKt = decltype(composition(SmemLayoutK{}, make_ordered_layout(Shape<TileD, TileN>{}, Step<_2, _1>{})));
+  using SmemLayoutPdSt = decltype(composition(
+      SmemLayoutPdS{}, make_ordered_layout(Shape<TileN, TileM, Int<kStagesDS>>{}, Step<_2, _1, _3>{})));
+
+  // Global views: (seq, head_dim, head, batch) with runtime strides, head dim contiguous.
+  using GShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GLayout = Layout<GShape, GStride>;
+  using TmaLoadQ = decltype(make_tma_copy(SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GLayout{}),
+      take<0, 2>(SmemLayoutQ{}), Shape<TileM, TileD>{}, _1{}));  // Q and dO
+  using TmaLoadKV = decltype(make_tma_copy(SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GLayout{}),
+      SmemLayoutK{}, Shape<TileN, TileD>{}, _1{}));
+  using TmaStoreKV = decltype(make_tma_copy(SM90_TMA_STORE{},
+      make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GLayout{}),
+      SmemLayoutK{}, Shape<TileN, TileD>{}, _1{}));
+  using TmaStoreDQ = decltype(make_tma_copy(SM90_TMA_STORE{},
+      make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GLayout{}),
+      SmemLayoutDQ{}, Shape<TileM, TileD>{}, _1{}));
+
+  using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
+  using PipelineDO = cutlass::PipelineTmaAsync<kStagesDO>;
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesRowStats = kBlockM * sizeof(float);  // LSE or D of one query tile
+  // The float32 dQ partial of one query tile, in the dQ MMA's fragment order (see dq_fragment_offset).
+  static constexpr int kDqFloats = kBlockM * kHeadDim;
+  static constexpr int kDqFloatsPerThread = kDqFloats / kMmaThreads;
+  static_assert(kDqFloatsPerThread % 4 == 0);
+
+  template <class T, int N>
+  using SmemArray = std::conditional_t<(N > 0), cute::array_aligned<T, N, 1024>, cute::array<T, 0>>;
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;  // dK in the epilogue
+    cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;  // dV in the epilogue
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutDO>, 1024> dout;
+    cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> ds;
+    SmemArray<Element, kSplitKeys ? 0 : int(cosize_v<SmemLayoutPdS>)> p;
+    SmemArray<float, kStagedDq ? kDqFloats : 0> dq;
+    cute::array_aligned<float, kBlockM * kStagesQ, 128> lse;
+    cute::array_aligned<float, kBlockM * kStagesDO, 128> dsum;
+    typename PipelineQ::SharedStorage pipe_q;
+    typename PipelineDO::SharedStorage pipe_do;
+    alignas(8) uint64_t barrier_kv;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "tile config exceeds shared memory");
+};
+
+// Where the float32 workspaces of one call live (byte offsets into BwdParams::workspace), all
+// indexed [batch, query head, padded query row]: rows past Sq up to a whole tile exist and stay inert.
+struct BwdWorkspace {
+  int64_t lse_offset = 0;    // float: LSE in the kernel's units (+inf for empty and padding rows)
+  int64_t dsum_offset = 0;   // float: rowsum(dO * O) (0 for padding rows)
+  int64_t dq_offset = 0;     // float: dQ accumulator, kDqFloats per query tile in fragment order
+  int64_t sem_offset = 0;    // int32 per query tile: deterministic mode's turn counters
+  int64_t mask_offset = 0;   // masked kernels: the mask pre-pass workspace (bwd_mask.hpp)
+  int64_t total_bytes = 0;
+
+  template <class Traits>
+  static BwdWorkspace plan(int64_t batch, int64_t heads_q, int64_t seqlen_q, int64_t mask_bytes) {
+    auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+    const int64_t m_blocks = (seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+    const int64_t rows = batch * heads_q * m_blocks * Traits::kBlockM;
+    BwdWorkspace w;
+    w.dsum_offset = w.lse_offset + aligned(rows * int64_t(sizeof(float)));
+    w.dq_offset = w.dsum_offset + aligned(rows * int64_t(sizeof(float)));
+    w.sem_offset = w.dq_offset + aligned(rows * Traits::kHeadDim * int64_t(sizeof(float)));
+    w.mask_offset = w.sem_offset + aligned(batch * heads_q * m_blocks * int64_t(sizeof(int32_t)));
+    w.total_bytes = w.mask_offset + aligned(mask_bytes);
+    return w;
+  }
+};
+
+// Offset (in floats) of element `i` of MMA thread `tid`'s dQ fragment inside its query tile's partial:
+// each warpgroup owns one contiguous half, and four consecutive fragment elements of consecutive
+// threads are consecutive float4s, so both the staging writes and the postprocess reads are
+// conflict-free 16-byte accesses.
+template <class Traits>
+CUTE_HOST_DEVICE int dq_fragment_offset(int tid, int i) {
+  const int wg = tid / 128, t = tid % 128;
+  return wg * (Traits::kDqFloats / 2) + ((i / 4) * 128 + t) * 4 + i % 4;
+}
+
+// Everything the main kernel needs, passed by value as a __grid_constant__ parameter.
+template <class Traits>
+struct BwdKernelArgs {
+  typename Traits::TmaLoadQ tma_q;
+  typename Traits::TmaLoadQ tma_do;
+  typename Traits::TmaLoadKV tma_k;
+  typename Traits::TmaLoadKV tma_v;
+  typename Traits::TmaStoreKV tma_dk;
+  typename Traits::TmaStoreKV tma_dv;
+  typename Traits::GShape shape_q;   // (Sq, D, Hq, B)
+  typename Traits::GShape shape_kv;  // (Sk, D, Hkv, B)
+  const float* lse;   // workspace rows (BwdWorkspace::lse_offset)
+  const float* dsum;  // workspace rows (BwdWorkspace::dsum_offset)
+  float* dq_accum;
+  int32_t* dq_sem;
+  int seqlen_q, seqlen_k, heads_q, head_ratio;  // head_ratio = Hq / Hkv
+  int num_m_blocks, num_n_blocks;
+  int key_block_first, key_block_step;  // key tile = first + step * blockIdx.x
+  float scale;      // softmax scale
+  float scale_log2; // scale * log2(e)
+  bool deterministic;
+  typename Traits::MaskArgsT mask;  // empty for MaskKind::kNone
+};
+
+}  // namespace fa2
