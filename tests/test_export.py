@@ -272,3 +272,44 @@ def test_dynamic_head_dim_needs_the_op_limit_and_an_explicit_scale():
         torch.export.export(ExplicitScale(), qkv, dynamic_shapes=({3: Dim("d")},) * 3)
     with pytest.raises(torch._dynamo.exc.UserError, match=r"Constraints violated \(d\)"):
         torch.export.export(CausalGqa(), qkv, dynamic_shapes=({3: Dim("d")},) * 3)
+
+
+@pytest.mark.slow
+def test_aoti_package_of_a_hf_llama_holds_the_pass_rewrite(cpu_pass, tmp_path):
+    """The route for AOTInductor: aoti_compile_and_package inside fa2_inductor.enabled() runs the pass, so
+    the package calls the op (causal + key padding from HF's mask), and a fresh process runs it."""
+    pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    from tests.hf_families import FAMILIES
+
+    family = FAMILIES["llama"]
+    model = LogitsOnly(family.build("sdpa"))
+    inputs = family.make_inputs(model.model.config, torch.device("cpu"))
+    with torch.no_grad():
+        program = torch.export.export(model, (), inputs)
+        expected = model(**inputs)
+    with fa2_inductor.enabled():
+        path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "llama.pt2"))
+    sites = family.count_attention_sites(model.model.config)
+    assert counters["fa2_inductor"]["rewrites"] == counters["fa2_inductor"]["rewrites:is_causal+key_mask"] == sites
+
+    manifest = {"llama": {"kind": "aoti", "path": path, "args": (), "kwargs": inputs}}
+    results, _ = run_in_fresh_process(manifest, tmp_path)
+    assert "fa2_inductor::flash_attention_fwd" in results["errors_before_import"]["aoti"]
+    assert results["llama"]["op_calls"] == sites
+    torch.testing.assert_close(results["llama"]["outputs"], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_aoti_check_script_runs_on_cpu(tmp_path):
+    """scripts/aoti_check.py, the GPU machine's check, on CPU: every check but the kernel's passes."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    argv = [sys.executable, str(ROOT / "scripts" / "aoti_check.py"), "--device", "cpu", "--out", str(tmp_path)]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    status = {line.split()[0]: line.split()[1] for line in result.stdout.splitlines()[1:-1]}
+    assert status == {"export": "ok", "compile": "ok", "package": "ok", "load": "ok",
+                      **{f"{check}@{s}": "ok" for check in ("logits", "op") for s in (32, 19)},
+                      "kernel@32": "skipped", "kernel@19": "skipped"}
+    assert result.stdout.splitlines()[-1] == "aoti_check: all passed: 8 ok, 0 failed, 2 skipped"
