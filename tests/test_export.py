@@ -92,8 +92,8 @@ class LogitsOnly(torch.nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
 
-def _llama_inputs(config, seq_len: int) -> dict:
-    """The family's inputs (row 1 right-padded) at another length; contiguous, as AOTInductor reads them."""
+def _llama_inputs(seq_len: int) -> dict:
+    """The Llama family's inputs (row 1 right-padded) at any length."""
     from tests.hf_families import BATCH as HF_BATCH, _padding_mask, _token_ids
 
     return {"input_ids": _token_ids(HF_BATCH, seq_len, "cpu"), "attention_mask": _padding_mask(HF_BATCH, seq_len, "cpu")}
@@ -140,7 +140,8 @@ _LOAD_AND_RUN = textwrap.dedent(
             op = torch.ops.fa2_inductor.flash_attention_fwd.default
             schema = op._schema.arguments  # export leaves out arguments equal to their defaults
             op_arguments = [
-                tuple(n.args[i] if i < len(n.args) else n.kwargs.get(a.name, a.default_value) for i, a in enumerate(schema))[4:]
+                tuple(n.args[i] if i < len(n.args) else n.kwargs.get(a.name, a.default_value)
+                      for i, a in enumerate(schema))[4:]
                 for n in loaded.graph.nodes if n.target is op
             ]
         results[name] = {"outputs": outputs, "op_calls": counter.calls, "op_arguments": op_arguments}
@@ -163,7 +164,8 @@ def run_in_fresh_process(manifest: dict, folder: Path) -> tuple[dict, str]:
 @pytest.fixture(scope="module")
 def round_trips(tmp_path_factory):
     """Every case exported with dynamic batch and sequence dims, saved (one also AOT-compiled), loaded
-    and run at other shapes in one fresh process. name -> (eager outputs, the fresh process's results)."""
+    and run at other shapes in one fresh process. Returns ({name: (eager outputs, the fresh process's
+    results)}, the loading errors before ``import fa2_inductor`` by kind, the process's stderr)."""
     folder = tmp_path_factory.mktemp("export")
     manifest, expected = {}, {}
     for name, (module, example, dims, run_args, _) in _op_module_cases().items():
@@ -175,7 +177,7 @@ def round_trips(tmp_path_factory):
         if name == "bool_mask_window":
             path = torch._inductor.aoti_compile_and_package(program, package_path=str(folder / f"{name}_aoti.pt2"))
             manifest[f"{name}_aoti"] = {**manifest[name], "kind": "aoti", "path": path}
-            expected[f"{name}_aoti"] = list(expected[name])  # the package returns a list
+            expected[f"{name}_aoti"] = expected[name]
     if _has_transformers():
         manifest["hf_llama"], expected["hf_llama"] = _export_hf_llama(folder)
     results, stderr = run_in_fresh_process(manifest, folder)
@@ -199,11 +201,11 @@ def _export_hf_llama(folder: Path) -> tuple[dict, torch.Tensor]:
     fa2_inductor.hf.register()
     family = FAMILIES["llama"]
     model = LogitsOnly(family.build(fa2_inductor.hf.NAME))
-    example = _llama_inputs(model.model.config, HF_SEQ)
+    example = _llama_inputs(HF_SEQ)
     length = Dim("length", min=2, max=model.model.config.max_position_embeddings)
     with torch.no_grad():
         program = torch.export.export(model, (), example, dynamic_shapes={name: {1: length} for name in example})
-        run_inputs = _llama_inputs(model.model.config, HF_SEQ - 3)
+        run_inputs = _llama_inputs(HF_SEQ - 3)
         expected = model(**run_inputs)
     torch.export.save(program, folder / "hf_llama.pt2")
     return {"kind": "export", "path": str(folder / "hf_llama.pt2"), "args": (), "kwargs": run_inputs}, expected
@@ -257,7 +259,7 @@ def test_dynamic_head_counts_are_checked_when_run():
 
 class ExplicitScale(torch.nn.Module):
     def forward(self, q, k, v):
-        return torch.ops.fa2_inductor.flash_attention_fwd(q, k, v, None, 0.25, False)[0]
+        return fa2_inductor.flash_attention(q, k, v, scale=0.25)
 
 
 def test_dynamic_head_dim_needs_the_op_limit_and_an_explicit_scale():
