@@ -17,7 +17,7 @@ import torch
 
 REBUILD_COMMAND = 'FA2_INDUCTOR_BUILD_CUDA=1 pip install --no-build-isolation -e .'
 NOT_BUILT = "fa2_inductor._C was not built (pure-Python install)"
-# What this Python calls on the module; a build from an older checkout lacks some of them.
+# What the package (and its GPU tests) call on the module; a build from older sources lacks some of them.
 REQUIRED_FUNCTIONS = (
     "compiled_kernels", "limits", "kernel_unsupported_reason", "forward", "set_reference_hooks",
     "fwd", "fwd_masked", "fill_empty_rows",
