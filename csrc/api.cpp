@@ -1,15 +1,34 @@
-// Python binding of the Hopper forward kernel: fa2_inductor._C.
-// The only file that includes torch. Python owns the op schema; this module registers none.
-// fwd() checks its arguments, fills fa2::FwdParams and launches on the current stream: no
-// allocation, no synchronisation, so it can run inside CUDA graph capture (fwd_masked allocates its
-// workspace from the stream-ordered caching allocator, which capture allows).
+// fa2_inductor._C: the Hopper forward kernel behind the op fa2_inductor::flash_attention_fwd.
+// The only file that includes torch. Python owns the op's schema, fake and autograd (fa2_inductor/ops.py);
+// loading this module registers the op's CUDA implementation (TORCH_LIBRARY_IMPL at the end), so a call
+// goes from the dispatcher to C++ without Python on the kernel's path.
+//
+// Sections, in order:
+//   kernel table     the compiled (head dim, dtype) entries, from csrc/kernel_table.py
+//   launches         fwd / fwd_masked / fill_empty_rows: checked arguments -> fa2::FwdParams -> launch, on the
+//                    current stream, no synchronisation (CUDA-graph safe; workspaces come from the
+//                    stream-ordered caching allocator, which capture allows)
+//   input checks     the op's argument rules (ValueError), the same messages as ops.check_inputs
+//   support          "does the kernel run this call, and if not, why": the one place that decides, on
+//                    tensor metadata, so the graph pass (fake tensors) and explain ask it too
+//   reference hooks  the Python reference the CUDA path calls where the kernel does not run
+//   the op           its CUDA implementation: checks, support, outputs, special cases, empty-row policies
+//   registration     TORCH_LIBRARY_IMPL and the Python bindings
 #include <torch/extension.h>
-#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <map>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -19,6 +38,8 @@
 namespace {
 
 constexpr int64_t kMaxSeqLen = (int64_t(1) << 31) - 1;  // sequence positions are int32 in the kernels
+
+// ------------------------------------------------------------------------------------------ kernel table
 
 using RunFn = cudaError_t (*)(const fa2::FwdParams&, cudaStream_t);
 using WorkspaceFn = int64_t (*)(const fa2::FwdParams&);
@@ -50,12 +71,27 @@ const std::vector<KernelEntry>& kernel_table() {
 }
 #undef FA2_ENTRY  // the table's file also holds the backward's rows, behind FA2_BWD_ENTRY
 
-const KernelEntry* find_kernel(int head_dim, fa2::DType dtype) {
+const KernelEntry* find_kernel(int64_t head_dim, fa2::DType dtype) {
   for (const auto& e : kernel_table()) {
     if (e.head_dim == head_dim && e.dtype == dtype) return &e;
   }
   return nullptr;
 }
+
+// The kernels' element types and their names in the kernel list; nullopt for every other dtype.
+std::optional<fa2::DType> kernel_dtype(at::ScalarType t) {
+  if (t == at::kBFloat16) return fa2::DType::kBF16;
+  if (t == at::kHalf) return fa2::DType::kFP16;
+  return std::nullopt;
+}
+
+const char* kernel_dtype_name(fa2::DType t) { return t == fa2::DType::kBF16 ? "bf16" : "fp16"; }
+
+bool additive_mask_with_causal() {
+  return !kernel_table().empty() && kernel_table().front().run_masked[1][1] != nullptr;
+}
+
+// ---------------------------------------------------------------------------------------------- launches
 
 void check_operand(const at::Tensor& t, const char* name, const at::Tensor& q) {
   TORCH_CHECK(t.is_cuda(), "fa2_inductor._C.fwd: ", name, " must be a CUDA tensor");
@@ -134,7 +170,7 @@ fa2::FwdParams describe_call(const char* fn, const at::Tensor& q, const at::Tens
 
 const KernelEntry& kernel_for(const char* fn, const at::Tensor& q) {
   const fa2::DType dtype = q.scalar_type() == at::kBFloat16 ? fa2::DType::kBF16 : fa2::DType::kFP16;
-  const KernelEntry* entry = find_kernel(int(q.size(3)), dtype);
+  const KernelEntry* entry = find_kernel(q.size(3), dtype);
   TORCH_CHECK(entry != nullptr, fn, ": no kernel compiled for head dim ", q.size(3), " and dtype ", q.scalar_type());
   return *entry;
 }
@@ -149,8 +185,6 @@ int check_window(const char* fn, bool is_causal, int64_t window_left) {
 void check_launch(const char* fn, cudaError_t err) {
   TORCH_CHECK(err == cudaSuccess, fn, ": kernel launch failed: ", cudaGetErrorString(err));
 }
-
-}  // namespace
 
 // rows_filter (optional, float32 with lse's shape and strides): only query tiles holding a row that is
 // -inf there run; the others leave out and lse untouched.
@@ -270,6 +304,357 @@ void fill_empty_rows(at::Tensor& out, const at::Tensor& lse, const at::Tensor& v
   check_launch(fn, v.scalar_type() == at::kBFloat16 ? fa2::run_fill_empty_rows<fa2::DType::kBF16>(p, stream)
                                                     : fa2::run_fill_empty_rows<fa2::DType::kFP16>(p, stream));
 }
+
+// ------------------------------------------------------------------------------------------ input checks
+
+// Python's spelling of values in messages, so that they read as ops.check_inputs writes them.
+std::string py_dtype(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
+
+std::string py_sequence(c10::IntArrayRef sizes, const char* open, const char* close, bool tuple) {
+  std::ostringstream s;
+  s << open;
+  for (size_t i = 0; i < sizes.size(); ++i) s << (i ? ", " : "") << sizes[i];
+  if (tuple && sizes.size() == 1) s << ",";
+  s << close;
+  return s.str();
+}
+std::string py_tuple(c10::IntArrayRef sizes) { return py_sequence(sizes, "(", ")", true); }
+std::string py_list(c10::IntArrayRef sizes) { return py_sequence(sizes, "[", "]", false); }
+
+// The op's empty_rows values (fa2_inductor.reference.EmptyRows); what each means is in the op's docs.
+enum class EmptyRows : int64_t { kZero = 0, kMeanV = 1, kAllKeys = 2 };
+constexpr int64_t kEmptyRowsCount = 3;
+
+// Raises ValueError naming the problem when the arguments do not describe a valid attention: the rules and
+// messages of fa2_inductor.ops.check_inputs, in its order (tests/gpu/test_dispatch.py compares the two).
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                  bool is_causal, int64_t window_left, int64_t empty_rows) {
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"k", &k}, {"v", &v}}) {
+    TORCH_CHECK_VALUE(t->dim() == 4, "flash_attention: ", name, " must be 4-D [batch, heads, seq, head_dim], got shape ",
+                      py_tuple(t->sizes()));
+  }
+  const at::ScalarType dtype = q.scalar_type();
+  TORCH_CHECK_VALUE(dtype == k.scalar_type() && dtype == v.scalar_type(), "flash_attention: q, k, v must share a dtype, got ",
+                    py_dtype(dtype), ", ", py_dtype(k.scalar_type()), ", ", py_dtype(v.scalar_type()));
+  TORCH_CHECK_VALUE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble,
+                    "flash_attention: unsupported dtype ", py_dtype(dtype), "; use float16, bfloat16 or float32");
+  TORCH_CHECK_VALUE(dtype != at::kDouble || q.device().is_cpu(),
+                    "flash_attention: float64 runs only on CPU (the reference path); use float32, float16 or bfloat16");
+  TORCH_CHECK_VALUE(q.device() == k.device() && k.device() == v.device(), "flash_attention: q, k, v must be on one device, got ",
+                    q.device(), ", ", k.device(), ", ", v.device());
+  const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), d = q.size(3);
+  TORCH_CHECK_VALUE(k.size(0) == b && v.size(0) == b, "flash_attention: batch sizes differ: q ", b, ", k ", k.size(0),
+                    ", v ", v.size(0));
+  TORCH_CHECK_VALUE(k.size(3) == d && v.size(3) == d, "flash_attention: head dims differ: q ", d, ", k ", k.size(3), ", v ",
+                    v.size(3));
+  TORCH_CHECK_VALUE(d <= fa2::kMaxHeadDim, "flash_attention: head_dim ", d, " is larger than the supported ",
+                    fa2::kMaxHeadDim);
+  TORCH_CHECK_VALUE(d != 0, "flash_attention: head_dim is 0");
+  TORCH_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2), "flash_attention: k ", py_tuple(k.sizes()),
+                    " and v ", py_tuple(v.sizes()), " must have the same heads and length");
+  const int64_t hkv = k.size(1);
+  TORCH_CHECK_VALUE(hkv != 0 && hq % hkv == 0, "flash_attention: query heads (", hq,
+                    ") must be a multiple of key/value heads (", hkv, ")");
+  TORCH_CHECK_VALUE(window_left == -1 || (is_causal && window_left >= 0),
+                    "flash_attention: window_left must be -1 or, with is_causal=True, >= 0; got ", window_left);
+  if (empty_rows < 0 || empty_rows >= kEmptyRowsCount) {
+    std::vector<int64_t> policies;
+    for (int64_t i = 0; i < kEmptyRowsCount; ++i) policies.push_back(i);
+    TORCH_CHECK_VALUE(false, "flash_attention: empty_rows must be one of ", py_list(policies), " (EmptyRows), got ",
+                      empty_rows);
+  }
+  if (!mask.has_value()) return;
+  const at::Tensor& m = *mask;
+  TORCH_CHECK_VALUE(m.scalar_type() == at::kBool || at::isFloatingType(m.scalar_type()),
+                    "flash_attention: attn_mask must be bool (True = attend) or floating (additive), got ",
+                    py_dtype(m.scalar_type()));
+  TORCH_CHECK_VALUE(m.device() == q.device(), "flash_attention: attn_mask is on ", m.device(), ", q on ", q.device());
+  const std::array<int64_t, 4> shape{b, hq, sq, k.size(2)};
+  bool fits = m.dim() <= 4;
+  for (int64_t i = 1; fits && i <= m.dim(); ++i) {
+    const int64_t size = m.size(-i);
+    fits = size == 1 || size == shape[4 - i];
+  }
+  TORCH_CHECK_VALUE(fits, "flash_attention: attn_mask of shape ", py_tuple(m.sizes()),
+                    " does not broadcast to [B, Hq, Sq, Sk] = ", py_list(shape));
+}
+
+// ----------------------------------------------------------------------------------------------- support
+
+// A tensor as the support rules see it: metadata only, so that fake tensors (the graph pass) can be asked
+// about. address: unknown (nullopt) for tensors without real storage; the op re-checks at run time.
+struct TensorMeta {
+  c10::IntArrayRef sizes, strides;
+  at::ScalarType dtype;
+  c10::Device device;
+  std::optional<uintptr_t> address;
+
+  static TensorMeta of(const at::Tensor& t) {
+    return {t.sizes(), t.strides(), t.scalar_type(), t.device(), reinterpret_cast<uintptr_t>(t.const_data_ptr())};
+  }
+  int64_t dim() const { return int64_t(sizes.size()); }
+};
+
+using Reason = std::optional<std::string>;
+
+bool is_hopper(const c10::Device& device) {
+  const int index = device.has_index() ? device.index() : c10::cuda::current_device();
+  static std::array<std::atomic<int>, 128> capability_of{};  // major * 10 + minor; 0: not asked yet
+  TORCH_CHECK(index >= 0 && index < int(capability_of.size()), "fa2_inductor: CUDA device index ", index,
+              " out of range");
+  int capability = capability_of[index].load(std::memory_order_relaxed);
+  if (capability == 0) {
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index));
+    capability = major * 10 + minor;
+    capability_of[index].store(capability, std::memory_order_relaxed);
+  }
+  return capability == 90;
+}
+
+// The mask's strides once expanded to [B, Hq, Sq, Sk] as Tensor.expand makes them (0 on broadcast dims),
+// or nullopt when it does not broadcast.
+std::optional<std::array<int64_t, 4>> expanded_strides(const TensorMeta& mask, const std::array<int64_t, 4>& shape) {
+  std::array<int64_t, 4> strides{0, 0, 0, 0};
+  for (int64_t i = 1; i <= mask.dim(); ++i) {
+    const int64_t size = mask.sizes[mask.dim() - i], target = shape[4 - i];
+    if (size == target) {
+      strides[4 - i] = mask.strides[mask.dim() - i];
+    } else if (size != 1) {
+      return std::nullopt;
+    }
+  }
+  return strides;
+}
+
+Reason mask_reason(const TensorMeta& mask, const TensorMeta& q, const TensorMeta& k, bool is_causal) {
+  const char* disabled = std::getenv("FA2_INDUCTOR_DISABLE_MASK_KERNEL");
+  if (disabled != nullptr && std::strcmp(disabled, "1") == 0) {
+    return "masked kernels disabled (FA2_INDUCTOR_DISABLE_MASK_KERNEL=1)";
+  }
+  const at::ScalarType dtype = mask.dtype;
+  if (dtype != at::kBool && dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) {
+    return "attn_mask dtype " + py_dtype(dtype) + " not supported by the kernel";
+  }
+  if (is_causal && dtype != at::kBool && !additive_mask_with_causal()) return "additive attn_mask together with is_causal";
+  if (mask.device != q.device) return "attn_mask on another device";
+  const char* no_broadcast = "attn_mask does not broadcast to [B, Hq, Sq, Sk]";
+  if (mask.dim() > 4 || q.dim() != 4 || k.dim() != 4) return no_broadcast;
+  const std::array<int64_t, 4> shape{q.sizes[0], q.sizes[1], q.sizes[2], k.sizes[2]};
+  const auto strides = expanded_strides(mask, shape);
+  if (!strides.has_value()) return no_broadcast;
+  for (int64_t s : *strides) {
+    if (s < 0) return "attn_mask has a negative stride";
+  }
+  // The pre-pass classifies one block per (class slice, query tile, key tile); see fwd_masked.
+  const int64_t class_b = shape[0] == 1 || (*strides)[0] == 0 ? 1 : shape[0];
+  const int64_t class_h = shape[1] == 1 || (*strides)[1] == 0 ? 1 : shape[1];
+  const int64_t class_m = shape[2] == 1 || (*strides)[2] == 0 ? 1 : (shape[2] + fa2::kMaskBlockM - 1) / fa2::kMaskBlockM;
+  if (class_b * class_h > fa2::kMaxGridDim || class_m > fa2::kMaxGridDim) {
+    return "attn_mask too large for the block classification grid";
+  }
+  return std::nullopt;
+}
+
+Reason layout_reason(const char* name, const TensorMeta& t) {
+  if (t.strides[3] != 1 && t.sizes[3] != 1) return std::string(name) + " last dim not contiguous";
+  if (t.address.has_value() && *t.address % 16 != 0) return std::string(name) + " not 16-byte aligned";
+  for (int dim = 0; dim < 3; ++dim) {
+    const int64_t s = t.strides[dim];
+    if (t.sizes[dim] > 1 && (s <= 0 || s % fa2::kStrideAlignElements != 0)) {
+      return c10::str(name, " stride ", s, " of dim ", dim, " is not a positive multiple of ", fa2::kStrideAlignElements,
+                      " elements");
+    }
+  }
+  return std::nullopt;
+}
+
+// None when the compiled kernel runs this call, else a short reason. The one place that decides it: the op's
+// CUDA implementation below, and through fa2_inductor._cuda the graph pass's device rules and explain.
+Reason unsupported_reason(const TensorMeta& q, const TensorMeta& k, const TensorMeta& v, const TensorMeta* mask,
+                          bool is_causal, int64_t window_left) {
+  if (window_left != -1 && !is_causal) return "window_left without is_causal";
+  if (mask != nullptr) {
+    Reason reason = mask_reason(*mask, q, k, is_causal);
+    if (reason.has_value()) return reason;
+  }
+  if (!q.device.is_cuda()) return "not a CUDA tensor";
+  if (!is_hopper(q.device)) return "kernel needs an sm_90 (Hopper) GPU";
+  const std::optional<fa2::DType> dtype = kernel_dtype(q.dtype);
+  if (!dtype.has_value()) return "dtype " + py_dtype(q.dtype) + " not supported by the kernel";
+  if (k.dtype != q.dtype || v.dtype != q.dtype) return "q, k, v dtypes differ";
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return "inputs must be 4-D";
+  const int64_t b = q.sizes[0], hq = q.sizes[1], sq = q.sizes[2], d = q.sizes[3];
+  const int64_t hkv = k.sizes[1], sk = k.sizes[2];
+  if (find_kernel(d, *dtype) == nullptr) return c10::str("no kernel compiled for head dim ", d, " ", kernel_dtype_name(*dtype));
+  if (std::max(b, hq) > fa2::kMaxGridDim) return c10::str("batch or heads above ", fa2::kMaxGridDim);
+  if (std::max(sq, sk) > kMaxSeqLen) return "sequence too long";
+  if (hkv == 0 || hq % hkv != 0) return "Hq must be a multiple of Hkv";
+  for (const auto& [name, t] : {std::pair<const char*, const TensorMeta*>{"q", &q}, {"k", &k}, {"v", &v}}) {
+    Reason reason = layout_reason(name, *t);
+    if (reason.has_value()) return reason;
+  }
+  return std::nullopt;
+}
+
+// Python's view of a tensor for the support rules: (sizes, strides, dtype, device, address or None).
+using TensorMetaArgs = std::tuple<std::vector<int64_t>, std::vector<int64_t>, at::ScalarType, c10::Device,
+                                  std::optional<int64_t>>;
+
+TensorMeta meta_of(const TensorMetaArgs& args) {
+  const auto& [sizes, strides, dtype, device, address] = args;
+  TORCH_CHECK_VALUE(sizes.size() == strides.size(), "fa2_inductor._C.kernel_unsupported_reason: ", sizes.size(),
+                    " sizes but ", strides.size(), " strides");
+  std::optional<uintptr_t> where;
+  if (address.has_value()) where = uintptr_t(*address);
+  return {sizes, strides, dtype, device, where};
+}
+
+Reason kernel_unsupported_reason(const TensorMetaArgs& q, const TensorMetaArgs& k, const TensorMetaArgs& v,
+                                 const std::optional<TensorMetaArgs>& mask, bool is_causal, int64_t window_left) {
+  const std::optional<TensorMeta> mask_meta = mask.has_value() ? std::optional<TensorMeta>(meta_of(*mask)) : std::nullopt;
+  return unsupported_reason(meta_of(q), meta_of(k), meta_of(v), mask_meta ? &*mask_meta : nullptr, is_causal,
+                            window_left);
+}
+
+// -------------------------------------------------------------------------------------- reference hooks
+
+// Where the kernel does not run a call, the CUDA implementation calls back into Python rather than carry a
+// second, C++ copy of fa2_inductor.reference: that path is slow by nature (the reference's float32 matmuls),
+// so the Python call costs nothing that matters; the reference stays the one definition of the op's
+// numerics (blocking by query rows, empty-row policies) that every device and test shares; and the counters
+// and the once-per-reason warning live in Python (torch._dynamo.utils.counters, warnings) anyway.
+// fa2_inductor._cuda sets the hooks when it imports this module.
+struct ReferenceHooks {
+  // (reason, q, k, v, attn_mask, scale, is_causal, window_left, empty_rows) -> (out, lse): counts the call
+  // under reference_fallback:<reason>, warns once per reason, returns the reference's outputs.
+  pybind11::object fallback;
+  // reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows).
+  pybind11::object forward_into;
+};
+// Never destroyed: Python objects must not be released after the interpreter has gone.
+ReferenceHooks* reference_hooks = nullptr;
+
+void set_reference_hooks(pybind11::object fallback, pybind11::object forward_into) {
+  if (reference_hooks == nullptr) reference_hooks = new ReferenceHooks();
+  reference_hooks->fallback = std::move(fallback);
+  reference_hooks->forward_into = std::move(forward_into);
+}
+
+const ReferenceHooks& hooks_for(const std::string& why) {
+  TORCH_CHECK(reference_hooks != nullptr, "fa2_inductor: this call needs the Python reference implementation (", why,
+              "); import fa2_inductor in this process");
+  return *reference_hooks;
+}
+
+std::tuple<at::Tensor, at::Tensor> reference_fallback(const std::string& reason, const at::Tensor& q,
+                                                      const at::Tensor& k, const at::Tensor& v,
+                                                      const std::optional<at::Tensor>& mask, double scale,
+                                                      bool is_causal, int64_t window_left, int64_t empty_rows) {
+  pybind11::gil_scoped_acquire gil;
+  const pybind11::object result =
+      hooks_for(reason).fallback(reason, q, k, v, mask, scale, is_causal, window_left, empty_rows);
+  return result.cast<std::tuple<at::Tensor, at::Tensor>>();
+}
+
+void reference_forward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& mask, double scale, bool is_causal, at::Tensor& out,
+                            at::Tensor& lse, int64_t window_left, int64_t empty_rows) {
+  pybind11::gil_scoped_acquire gil;
+  hooks_for("scale 0").forward_into(q, k, v, mask, scale, is_causal, out, lse, window_left, empty_rows);
+}
+
+// ------------------------------------------------------------------------------------------------ the op
+
+// Uninitialised (out, lse) with the layout every implementation returns (reference.empty_outputs, which the
+// fake implementation uses; opcheck compares them): out [B, Hq, Sq, Dv] with the strides of a [B, Sq, Hq, Dv]
+// buffer, lse contiguous float32 [B, Hq, Sq].
+std::tuple<at::Tensor, at::Tensor> empty_outputs(const at::Tensor& q, const at::Tensor& v) {
+  const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), dv = v.size(3);
+  at::Tensor out = at::empty({b, sq, hq, dv}, q.options()).transpose(1, 2);
+  at::Tensor lse = at::empty({b, hq, sq}, q.options().dtype(at::kFloat));
+  return {out, lse};
+}
+
+// The op's meaning on the kernel, into preallocated out and lse, for calls unsupported_reason accepted.
+void forward(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+             double scale, bool is_causal, const std::optional<at::Tensor>& mask, int64_t window_left,
+             int64_t empty_rows) {
+  TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4, "fa2_inductor._C.forward: q and k must be 4-D");
+  if (q_in.size(0) == 0 || q_in.size(1) == 0 || q_in.size(2) == 0) return;
+  c10::cuda::CUDAGuard guard(q_in.device());
+  if (k.size(2) == 0) {  // no key at all: every row is empty (and has no key to attend to)
+    out.zero_();
+    lse.fill_(-std::numeric_limits<double>::infinity());
+    return;
+  }
+  if (scale == 0) {  // rare: the kernels mask scores with -inf before scaling (0 * -inf = NaN)
+    reference_forward_into(q_in, k, v, mask, 0.0, is_causal, out, lse, window_left, empty_rows);
+    return;
+  }
+  at::Tensor q = q_in;
+  if (scale < 0) {  // the kernels track the max of raw scores, which needs a non-negative scale
+    q = q_in.neg();
+    scale = -scale;
+  }
+  if (mask.has_value()) {
+    fwd_masked(q, k, v, out, lse, scale, mask->expand({q.size(0), q.size(1), q.size(2), k.size(2)}), is_causal,
+               window_left);
+  } else {
+    fwd(q, k, v, out, lse, scale, is_causal, window_left, std::nullopt);
+  }
+  if (empty_rows == int64_t(EmptyRows::kMeanV)) {
+    fill_empty_rows(out, lse, v, std::nullopt);
+  } else if (empty_rows == int64_t(EmptyRows::kAllKeys)) {
+    // Unmasked attention for the query tiles holding an empty row (the others exit at once), then those
+    // rows copied over.
+    auto [unmasked, unmasked_lse] = empty_outputs(q, v);
+    fwd(q, k, v, unmasked, unmasked_lse, scale, false, -1, lse);
+    fill_empty_rows(out, lse, v, unmasked);
+  }
+}
+
+// fa2_inductor::flash_attention_fwd on CUDA: the kernel where it runs the call, else the reference.
+std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                                                            double scale, bool is_causal, int64_t window_left,
+                                                            int64_t empty_rows) {
+  check_inputs(q, k, v, mask, is_causal, window_left, empty_rows);
+  const std::optional<TensorMeta> mask_meta =
+      mask.has_value() ? std::optional<TensorMeta>(TensorMeta::of(*mask)) : std::nullopt;
+  const Reason reason = unsupported_reason(TensorMeta::of(q), TensorMeta::of(k), TensorMeta::of(v),
+                                           mask_meta ? &*mask_meta : nullptr, is_causal, window_left);
+  if (reason.has_value()) {
+    return reference_fallback(*reason, q, k, v, mask, scale, is_causal, window_left, empty_rows);
+  }
+  c10::cuda::CUDAGuard guard(q.device());
+  auto [out, lse] = empty_outputs(q, v);
+  forward(q, k, v, out, lse, scale, is_causal, mask, window_left, empty_rows);
+  return {out, lse};
+}
+
+// ---------------------------------------------------------------------------------------- registration
+
+std::vector<std::tuple<int64_t, std::string>> compiled_kernels() {
+  std::vector<std::tuple<int64_t, std::string>> result;
+  for (const auto& e : kernel_table()) result.emplace_back(e.head_dim, e.dtype_name);
+  return result;
+}
+
+// What every compiled kernel can take (the support rules above read the same constants).
+std::map<std::string, int64_t> limits() {
+  return {
+      {"max_head_dim", fa2::kMaxHeadDim},
+      {"max_grid_dim", fa2::kMaxGridDim},
+      {"max_seqlen", kMaxSeqLen},
+      {"stride_align_elements", fa2::kStrideAlignElements},
+      {"mask_block_m", fa2::kMaskBlockM},
+      {"additive_mask_with_causal", additive_mask_with_causal() ? 1 : 0},
+  };
+}
+
+}  // namespace
 
 // ===== Backward kernel binding (fa2::run_bwd) =====================================================
 // bwd() checks its arguments, fills fa2::BwdParams and launches preprocess, [mask pre-pass,] main kernel
@@ -430,38 +815,36 @@ void register_bwd(pybind11::module_& m) {
 }
 // ===== end of the backward kernel binding ========================================================
 
-std::vector<std::tuple<int64_t, std::string>> compiled_kernels() {
-  std::vector<std::tuple<int64_t, std::string>> result;
-  for (const auto& e : kernel_table()) result.emplace_back(e.head_dim, e.dtype_name);
-  return result;
-}
-
-// What every compiled kernel can take; Python's support rules read these instead of restating them.
-std::map<std::string, int64_t> limits() {
-  return {
-      {"max_head_dim", fa2::kMaxHeadDim},
-      {"max_grid_dim", fa2::kMaxGridDim},
-      {"max_seqlen", kMaxSeqLen},
-      {"stride_align_elements", fa2::kStrideAlignElements},
-      {"mask_block_m", fa2::kMaskBlockM},
-      {"additive_mask_with_causal",
-       !kernel_table().empty() && kernel_table().front().run_masked[1][1] != nullptr ? 1 : 0},
-  };
+// The op's CUDA implementations. fa2_inductor/ops.py registers its Python CUDA kernel for an op only where
+// none is registered here, so a C++ flash_attention_bwd joins with one more m.impl line.
+TORCH_LIBRARY_IMPL(fa2_inductor, CUDA, m) {
+  m.impl("flash_attention_fwd", TORCH_FN(flash_attention_fwd_cuda));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   m.doc() = "fa2_inductor Hopper (sm_90a) FlashAttention forward kernel";
   m.def("fwd", &fwd, "Attention forward into preallocated out [B,Hq,Sq,D] and lse [B,Hq,Sq] (float32)",
-        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
-        pybind11::arg("scale"), pybind11::arg("is_causal"), pybind11::arg("window_left"),
-        pybind11::arg("rows_filter") = pybind11::none());
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
+        py::arg("is_causal"), py::arg("window_left"), py::arg("rows_filter") = py::none());
   m.def("fwd_masked", &fwd_masked,
         "Masked attention forward (mask expanded to [B,Hq,Sq,Sk]: bool = attend, or additive float32/bf16/fp16)",
-        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"), pybind11::arg("lse"),
-        pybind11::arg("scale"), pybind11::arg("mask"), pybind11::arg("is_causal"), pybind11::arg("window_left"));
-  m.def("fill_empty_rows", &fill_empty_rows,
-        "Rows with lse = -inf get the mean of V over all keys, or source's rows when given",
-        pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("v"), pybind11::arg("source") = pybind11::none());
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"), py::arg("mask"),
+        py::arg("is_causal"), py::arg("window_left"));
+  m.def("fill_empty_rows", &fill_empty_rows, "Rows with lse = -inf get the mean of V over all keys, or source's rows when given",
+        py::arg("out"), py::arg("lse"), py::arg("v"), py::arg("source") = py::none());
+  m.def("forward", &forward,
+        "The op's CUDA path into preallocated out and lse (for calls kernel_unsupported_reason accepts): special "
+        "cases, mask broadcast, empty_rows policies",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
+        py::arg("is_causal"), py::arg("attn_mask"), py::arg("window_left"), py::arg("empty_rows"));
+  m.def("kernel_unsupported_reason", &kernel_unsupported_reason,
+        "None when the kernel runs the call, else why not; tensors as (sizes, strides, dtype, device, address or None)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("attn_mask"), py::arg("is_causal"), py::arg("window_left"));
+  m.def("set_reference_hooks", &set_reference_hooks,
+        "The Python reference the CUDA implementation calls: fallback(reason, q, k, v, attn_mask, scale, is_causal, "
+        "window_left, empty_rows) -> (out, lse), and forward_into (reference.attention_forward)",
+        py::arg("fallback"), py::arg("forward_into"));
   m.def("compiled_kernels", &compiled_kernels, "List of (head_dim, dtype_name) compiled into this build");
   m.def("limits", &limits, "The limits every compiled kernel shares");
   register_bwd(m);  // the backward kernel binding's one line here

@@ -1,13 +1,17 @@
-"""The Hopper kernel's side of the op: when it can run a call, and how to run it.
+"""The Hopper kernel's side of the op: whether it runs a call, how, and what runs where it does not.
 
-``kernel_unsupported_reason`` is called on every op call, so it only reads tensor metadata (and a
-cached device capability); importing this module never initialises CUDA.
+The decision and the op's CUDA path live in the compiled extension (csrc/api.cpp), which registers the op's
+CUDA implementation with the dispatcher when it loads. This module is their Python face:
+``kernel_unsupported_reason`` asks the extension's support rules about tensor metadata (so the graph pass
+and ``explain`` can ask about fake tensors), ``forward`` runs the CUDA path into preallocated outputs, and
+``reference_fallback`` is what a CUDA call the kernel does not run returns. Importing this module never
+initialises CUDA.
 """
 
 from __future__ import annotations
 
 import functools
-import os
+import warnings
 from typing import Optional
 
 import torch
@@ -16,22 +20,7 @@ from torch import Tensor
 from . import _extension, reference
 from .reference import EmptyRows
 
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-# Mask dtypes the masked kernels read: bool (True = attend) or additive float32/bf16/fp16.
-_MASK_DTYPES = (torch.bool, torch.float32, torch.bfloat16, torch.float16)
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled() -> frozenset:
-    if _extension.C is None:
-        return frozenset()
-    return frozenset((int(d), str(n)) for d, n in _extension.C.compiled_kernels())
-
-
-@functools.lru_cache(maxsize=None)
-def limits() -> dict:
-    """What every compiled kernel can take, as the extension reports it (empty without one)."""
-    return {} if _extension.C is None else dict(_extension.C.limits())
+KERNEL_NOT_BUILT = "kernel not built"
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,93 +41,23 @@ def _data_ptr(t: Tensor) -> Optional[int]:
         return None
 
 
-def _layout_reason(name: str, t: Tensor) -> Optional[str]:
-    if t.stride(-1) != 1 and t.shape[-1] != 1:
-        return f"{name} last dim not contiguous"
-    ptr = _data_ptr(t)
-    if ptr is not None and ptr % 16 != 0:
-        return f"{name} not 16-byte aligned"
-    align = limits()["stride_align_elements"]
-    for dim in range(3):
-        if t.shape[dim] > 1 and (t.stride(dim) <= 0 or t.stride(dim) % align != 0):
-            return f"{name} stride {t.stride(dim)} of dim {dim} is not a positive multiple of {align} elements"
-    return None
-
-
-def _expanded_mask(attn_mask: Tensor, q: Tensor, k: Tensor) -> Tensor:
-    """The mask as a [B, Hq, Sq, Sk] view (zero strides on broadcast dims)."""
-    b, hq, sq, _ = q.shape
-    return attn_mask.expand(b, hq, sq, k.shape[2])
-
-
-def _mask_reason(attn_mask: Tensor, q: Tensor, k: Tensor, is_causal: bool) -> Optional[str]:
-    if not hasattr(_extension.C, "fwd_masked"):
-        return "kernel built without mask support"
-    if os.environ.get("FA2_INDUCTOR_DISABLE_MASK_KERNEL", "0") == "1":
-        return "masked kernels disabled (FA2_INDUCTOR_DISABLE_MASK_KERNEL=1)"
-    if attn_mask.dtype not in _MASK_DTYPES:
-        return f"attn_mask dtype {attn_mask.dtype} not supported by the kernel"
-    if is_causal and attn_mask.dtype != torch.bool and not limits()["additive_mask_with_causal"]:
-        return "additive attn_mask together with is_causal"
-    if attn_mask.device != q.device:
-        return "attn_mask on another device"
-    if attn_mask.dim() > 4 or q.dim() != 4 or k.dim() != 4:
-        return "attn_mask does not broadcast to [B, Hq, Sq, Sk]"
-    try:
-        mask = _expanded_mask(attn_mask, q, k)
-    except RuntimeError:
-        return "attn_mask does not broadcast to [B, Hq, Sq, Sk]"
-    if any(s < 0 for s in mask.stride()):
-        return "attn_mask has a negative stride"
-    b, hq, sq, _ = q.shape
-    class_b = 1 if b == 1 or mask.stride(0) == 0 else b
-    class_h = 1 if hq == 1 or mask.stride(1) == 0 else hq
-    class_m = 1 if sq == 1 or mask.stride(2) == 0 else -(-sq // limits()["mask_block_m"])
-    if class_b * class_h > limits()["max_grid_dim"] or class_m > limits()["max_grid_dim"]:
-        return "attn_mask too large for the block classification grid"
-    return None
+def _metadata(t: Tensor) -> tuple:
+    """A tensor as the extension's support rules read it: (sizes, strides, dtype, device, address or None)."""
+    return tuple(t.shape), tuple(t.stride()), t.dtype, t.device, _data_ptr(t)
 
 
 def kernel_unsupported_reason(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1
 ) -> Optional[str]:
-    """None when the compiled kernel runs this call, else a short reason. The one place that decides it:
-    the op's CUDA path, the graph pass's device rules and ``explain`` all ask here."""
+    """None when the compiled kernel runs this call, else a short reason. The extension decides, with the
+    same function its CUDA implementation asks on every call; the graph pass's device rules and ``explain``
+    ask here."""
     if _extension.C is None:
-        return "kernel not built"
-    if window_left != -1 and not is_causal:
-        return "window_left without is_causal"
-    if attn_mask is not None:
-        reason = _mask_reason(attn_mask, q, k, is_causal)
-        if reason is not None:
-            return reason
-    if q.device.type != "cuda":
-        return "not a CUDA tensor"
-    if _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) != (9, 0):
-        return "kernel needs an sm_90 (Hopper) GPU"
-    name = _DTYPE_NAMES.get(q.dtype)
-    if name is None:
-        return f"dtype {q.dtype} not supported by the kernel"
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        return "q, k, v dtypes differ"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return "inputs must be 4-D"
-    d = q.shape[-1]
-    if (d, name) not in _compiled():
-        return f"no kernel compiled for head dim {d} {name}"
-    b, hq, sq, _ = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    if max(b, hq) > limits()["max_grid_dim"]:
-        return f"batch or heads above {limits()['max_grid_dim']}"
-    if max(sq, sk) > limits()["max_seqlen"]:
-        return "sequence too long"
-    if hkv == 0 or hq % hkv != 0:
-        return "Hq must be a multiple of Hkv"
-    for tname, t in (("q", q), ("k", k), ("v", v)):
-        reason = _layout_reason(tname, t)
-        if reason is not None:
-            return reason
-    return None
+        return KERNEL_NOT_BUILT
+    mask = None if attn_mask is None else _metadata(attn_mask)
+    return _extension.C.kernel_unsupported_reason(
+        _metadata(q), _metadata(k), _metadata(v), mask, bool(is_causal), int(window_left)
+    )
 
 
 def forward(
@@ -153,36 +72,48 @@ def forward(
     window_left: int = -1,
     empty_rows: int = EmptyRows.ZERO,
 ) -> None:
-    """Runs the kernel into preallocated out [B,Hq,Sq,D] and lse [B,Hq,Sq] (float32, natural log), with the
-    op's meaning of every argument; only for calls ``kernel_unsupported_reason`` accepted.
+    """Runs the op's CUDA path into preallocated out [B,Hq,Sq,D] and lse [B,Hq,Sq] (float32, natural log),
+    with the op's meaning of every argument; only for calls ``kernel_unsupported_reason`` accepted.
 
     attn_mask: bool (True = attend) or additive float32/bf16/fp16, broadcastable to [B, Hq, Sq, Sk]; read
     through its strides.
     """
-    if q.numel() == 0 and (q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0):
-        return
-    if k.shape[2] == 0:  # no key at all: every row is empty (and has no key to attend to)
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return
-    if scale == 0:  # rare: the kernels mask scores with -inf before scaling (0 * -inf = NaN)
-        reference.attention_forward(q, k, v, attn_mask, 0.0, is_causal, out, lse, window_left, empty_rows)
-        return
-    if scale < 0:  # the kernels track the max of raw scores, which needs a non-negative scale
-        q, scale = -q, -scale
-    if attn_mask is not None:
-        _extension.C.fwd_masked(q, k, v, out, lse, float(scale), _expanded_mask(attn_mask, q, k), bool(is_causal),
-                                int(window_left))
-    else:
-        _extension.C.fwd(q, k, v, out, lse, float(scale), bool(is_causal), int(window_left), None)
-    if empty_rows == EmptyRows.MEAN_V:
-        _extension.C.fill_empty_rows(out, lse, v)
-    elif empty_rows == EmptyRows.ALL_KEYS:
-        # Unmasked attention for the query tiles holding an empty row (the others exit at once), then
-        # those rows copied over.
-        unmasked, unmasked_lse = reference.empty_outputs(q, v)
-        _extension.C.fwd(q, k, v, unmasked, unmasked_lse, float(scale), False, -1, lse)
-        _extension.C.fill_empty_rows(out, lse, v, unmasked)
+    _extension.C.forward(q, k, v, out, lse, float(scale), bool(is_causal), attn_mask, int(window_left),
+                         int(empty_rows))
+
+
+def note_reference_fallback(reason: str) -> None:
+    """A CUDA call (forward or backward) that runs the reference is correct but slow: counted, announced once."""
+    from torch._dynamo.utils import counters
+
+    key = f"reference_fallback:{reason}"
+    if counters["fa2_inductor"][key] == 0:
+        warnings.warn(f"fa2_inductor: CUDA call runs the (slow) reference implementation: {reason}", stacklevel=3)
+    counters["fa2_inductor"][key] += 1
+
+
+def reference_fallback(
+    reason: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Optional[Tensor],
+    scale: float,
+    is_causal: bool,
+    window_left: int,
+    empty_rows: int,
+) -> tuple[Tensor, Tensor]:
+    """(out, lse) of a CUDA call the kernel does not run: the reference's, correct but slow, so the call is
+    counted under ``reference_fallback:<reason>`` and each reason is announced once."""
+    note_reference_fallback(reason)
+    out, lse = reference.empty_outputs(q, v)
+    reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows)
+    return out, lse
+
+
+if _extension.C is not None:
+    # The extension's CUDA implementation calls these where its kernel does not run a call (and for scale 0).
+    _extension.C.set_reference_hooks(reference_fallback, reference.attention_forward)
 
 
 # ===== the Hopper backward kernel ==================================================================
@@ -238,9 +169,11 @@ def backward_kernel(
         for t in (dq, dk, dv):
             t.zero_()
     else:
-        # Autograd may hand over any layout (e.g. the zero strides of a sum's gradient): copy what TMA can't read.
-        grad_out, out = (t if _layout_reason("t", t) is None else t.contiguous() for t in (grad_out, out))
-        mask = None if attn_mask is None else _expanded_mask(attn_mask, q, k)
+        # Autograd may hand over any layout (e.g. the zero strides of a sum's gradient): copy what TMA can't
+        # read (asked of the support rules with the tensor in q's place, whose shape and dtype it has).
+        grad_out, out = (t if kernel_unsupported_reason(t, k, v, None, False) is None else t.contiguous()
+                         for t in (grad_out, out))
+        mask = None if attn_mask is None else attn_mask.expand(b, hq, sq, sk)
         dmask = None if dmask_sum is None else dmask_sum.expand(b, hq, sq, sk)
         _extension.C.bwd(grad_out, q, k, v, out, lse, dq, dk, dv, float(scale), bool(is_causal),
                          torch.are_deterministic_algorithms_enabled(), mask, dmask)
@@ -275,7 +208,7 @@ def flash_backward_unsupported_reason(
         return "window_left: this torch's flash backward has no window arguments"
     if q.device.type != "cuda":
         return "not a CUDA tensor"
-    if q.dtype not in _DTYPE_NAMES:
+    if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype}"
     if _flash_backward_op() is None:
         return "torch has no aten._flash_attention_backward"

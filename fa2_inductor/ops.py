@@ -7,20 +7,20 @@ scores. ``lse`` is not differentiable. Unlike SDPA, ``attn_mask`` and ``is_causa
 (both apply), ``window_left`` bounds a causal sliding window, and ``empty_rows`` (an ``EmptyRows``) picks
 what rows with no visible key return.
 
-The CUDA implementation runs the Hopper kernel where it covers the call (see ``_cuda``) and the
-reference otherwise, so every device gets a correct answer.
+The CUDA implementation runs the Hopper kernel where it covers the call and the reference otherwise,
+so every device gets a correct answer. With the compiled extension loaded it is C++ (csrc/api.cpp
+registers it; see ``_cuda``); without it, CUDA calls run the reference from here.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import _cuda, reference
+from . import _cuda, _extension, reference
 from .reference import EmptyRows
 
 MAX_HEAD_DIM = 256
@@ -103,26 +103,22 @@ def flash_attention_fwd(
     return _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows)
 
 
-def _note_reference_fallback(reason: str) -> None:
-    """A CUDA call the kernel cannot run is correct but slow: count it and say so once per reason."""
-    from torch._dynamo.utils import counters
-
-    key = f"reference_fallback:{reason}"
-    if counters["fa2_inductor"][key] == 0:
-        warnings.warn(f"fa2_inductor: CUDA call runs the (slow) reference implementation: {reason}", stacklevel=3)
-    counters["fa2_inductor"][key] += 1
+def _register_cuda_kernel(op, fn) -> None:
+    """Makes ``fn`` op's CUDA implementation unless the loaded extension registered a C++ one (csrc/api.cpp's
+    TORCH_LIBRARY_IMPL ran when ``_extension`` imported it, before this module defined the op)."""
+    if _extension.C is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op._qualname, "CUDA"):
+        return
+    op.register_kernel("cuda")(fn)
 
 
-@flash_attention_fwd.register_kernel("cuda")
 def _flash_attention_fwd_cuda(q, k, v, attn_mask, scale, is_causal, window_left=-1, empty_rows=0):
+    """CUDA calls without the extension: the reference, counted and announced like any fallback."""
     check_inputs(q, k, v, attn_mask, is_causal, window_left, empty_rows)
-    reason = _cuda.kernel_unsupported_reason(q, k, v, attn_mask, is_causal, window_left)
-    if reason is not None:
-        _note_reference_fallback(reason)
-        return _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows)
-    out, lse = reference.empty_outputs(q, v)
-    _cuda.forward(q, k, v, scale, is_causal, out, lse, attn_mask, window_left, empty_rows)
-    return out, lse
+    return _cuda.reference_fallback(_cuda.KERNEL_NOT_BUILT, q, k, v, attn_mask, scale, is_causal, window_left,
+                                    empty_rows)
+
+
+_register_cuda_kernel(flash_attention_fwd, _flash_attention_fwd_cuda)
 
 
 @flash_attention_fwd.register_fake
@@ -158,7 +154,6 @@ def _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, com
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dmask
 
 
-@flash_attention_bwd.register_kernel("cuda")
 def _flash_attention_bwd_cuda(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad,
                               window_left=-1):
     # Our Hopper backward where it covers the call; else PyTorch's flash backward (counted), else the reference.
@@ -170,10 +165,13 @@ def _flash_attention_bwd_cuda(grad_out, q, k, v, out, lse, attn_mask, scale, is_
 
     counters["fa2_inductor"][f"backward_fallback:{reason}"] += 1
     if compute_mask_grad or _cuda.flash_backward_unsupported_reason(q, k, v, attn_mask, is_causal, window_left) is not None:
-        _note_reference_fallback(f"backward: {reason}")
+        _cuda.note_reference_fallback(f"backward: {reason}")
         return _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left)
     dq, dk, dv = _cuda.backward(grad_out, q, k, v, out, lse, scale, is_causal, window_left)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty(0)
+
+
+_register_cuda_kernel(flash_attention_bwd, _flash_attention_bwd_cuda)
 
 
 @flash_attention_bwd.register_fake

@@ -19,6 +19,7 @@ from .backward import backward_rows
 from .cases import CAUSAL_CHOICES, DTYPES, PAPER_HIDDEN, PAPER_TOKENS, sweep_cells
 from .implementations import DEFAULT_IMPLS, IMPLEMENTATIONS, TOLERANCES
 from .masks import mask_rows
+from .overhead import run_overhead
 from .sites import run_sites
 from .measure import CellResult, measure_cell
 from .plot import draw_plot, plot_title
@@ -90,6 +91,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--sites-wall", action="store_true", help="--sites: time calls back to back (CPU cost included)")
     parser.add_argument(
+        "--overhead", action="store_true",
+        help="microseconds per call at a tiny shape (B=1, H=2, S=128, D=64, bf16), calls back to back: the op "
+        "(no mask; key mask + causal; with ALL_KEYS) next to SDPA, under no_grad and inference_mode; writes --json",
+    )
+    parser.add_argument(
         "--masks", action="store_true",
         help="only the attention-mask rows (bf16, D=128, --tokens/--hidden shapes): causal as a bool mask vs "
         "is_causal, padding vs no mask at the same visible keys, sliding window vs SDPA, HF/T5 additive masks, "
@@ -121,7 +127,7 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("head dims must be between 1 and 256")
     if args.warmup < 0 or args.reps < 1:
         parser.error("--warmup must be >= 0 and --reps >= 1")
-    if torch.device(args.device).type == "cpu" and args.replot is None:
+    if torch.device(args.device).type == "cpu" and args.replot is None and not args.overhead:
         cells = sweep_cells(args.seqlens, args.head_dims, args.dtypes, (False,), args.tokens, args.hidden)
         if max(c.batch * c.heads * c.seqlen * c.seqlen for c in cells) > _MAX_CPU_SCORES:
             parser.error(f"on the CPU the benchmark only tests its own logic; give tiny shapes, e.g. {CPU_SMOKE_FLAGS}")
@@ -170,10 +176,13 @@ def replot(json_path: Path, plot_path: Path) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit status 1 when any implementation was WRONG or failed, so a script running the sweep notices."""
     args = parse_args(argv)
-    modes = [flag for flag in ("masks", "sites", "backward") if getattr(args, flag)]
+    modes = [flag for flag in ("masks", "sites", "backward", "overhead") if getattr(args, flag)]
     if args.replot is None and (modes or torch.device(args.device).type == "cuda"):
         mode = "".join(f" --{flag}" for flag in modes)
         exit_without_cuda(f"python -m fa2_inductor.bench{mode}", f"python -m fa2_inductor.bench {CPU_SMOKE_FLAGS}")
+    if args.overhead:
+        run_overhead(args)
+        return 0
     if args.masks:
         return mask_rows(args)
     if args.sites:
