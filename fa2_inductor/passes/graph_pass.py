@@ -127,10 +127,12 @@ class AttentionPass(CustomGraphPass):
         return moved
 
     def uuid(self) -> bytes:
-        # The pass's sources, the op's support rules and every knob it reads decide its output.
+        # The pass's sources, the op's support rules (in the built extension, when there is one) and every
+        # knob it reads decide its output.
         files = sorted(glob.glob(os.path.join(_PACKAGE_DIR, "passes", "*.py")))
-        files += [os.path.join(_PACKAGE_DIR, name) for name in ("_cuda.py", "ops.py", "config.py")]
-        state = f"rewrite_on_cpu={config.rewrite_on_cpu};kernel_built={_extension.C is not None}"
+        files += [os.path.join(_PACKAGE_DIR, name) for name in ("_cuda.py", "ops.py", "reference.py", "config.py")]
+        build = "none" if _extension.C is None else os.stat(_extension.C.__file__).st_mtime_ns
+        state = f"rewrite_on_cpu={config.rewrite_on_cpu};kernel_build={build}"
         return get_hash_for_files(tuple(files), state)
 
 
