@@ -176,7 +176,7 @@ def replot(json_path: Path, plot_path: Path) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit status 1 when any implementation was WRONG or failed, so a script running the sweep notices."""
     args = parse_args(argv)
-    modes = [flag for flag in ("masks", "sites", "backward", "overhead") if getattr(args, flag)]
+    modes = [flag for flag in ("masks", "sites", "backward") if getattr(args, flag)]
     if args.replot is None and (modes or torch.device(args.device).type == "cuda"):
         mode = "".join(f" --{flag}" for flag in modes)
         exit_without_cuda(f"python -m fa2_inductor.bench{mode}", f"python -m fa2_inductor.bench {CPU_SMOKE_FLAGS}")
