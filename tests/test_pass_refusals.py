@@ -77,6 +77,45 @@ def test_refused_and_counted(cpu_pass, reason, train):
     assert pass_counts() == {f"refused:{reason}": 1}
 
 
+# --- op arguments that change the math (each once rewritten into a wrong answer; alpha: test_pass_variants) --
+def _floor_divided_scores(q, k, v):
+    return (q @ k.transpose(-2, -1)).div(4.0, rounding_mode="floor").softmax(-1) @ v
+
+
+def _trunc_divided_scores(q, k, v):
+    return (q @ k.transpose(-2, -1)).div(4.0, rounding_mode="trunc").softmax(-1) @ v
+
+
+def _int_cast_scores(q, k, v):
+    return (q @ k.transpose(-2, -1) / 5.6).to(torch.int32).to(torch.float32).softmax(-1) @ v
+
+
+def _probs_floor_divided_by_sum(q, k, v):
+    """A hand-written softmax whose normalisation rounds: not a softmax."""
+    e = torch.exp(_scores(q, k) - _scores(q, k).amax(-1, keepdim=True))
+    return torch.div(e, e.sum(-1, keepdim=True), rounding_mode="floor") @ v
+
+
+MATH_CHANGING = {
+    "div_floor": (_floor_divided_scores, "unsupported_argument"),
+    "div_trunc": (_trunc_divided_scores, "unsupported_argument"),
+    "int_cast": (_int_cast_scores, "value_changing_cast"),
+}
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("name", MATH_CHANGING)
+def test_math_changing_arguments_are_refused(cpu_pass, name, train):
+    fn, reason = MATH_CHANGING[name]
+    compile_and_compare(fn, *qkv(seq_q=16, dim=32, train=train), rewrites=0, train=train and name != "int_cast")
+    assert pass_counts() == {f"refused:{reason}": 1}
+
+
+def test_a_rounding_normalisation_is_no_softmax(cpu_pass):
+    compile_and_compare(_probs_floor_divided_by_sum, *qkv(), rewrites=0)
+    assert "rewrites" not in pass_counts()
+
+
 def test_active_dropout_is_refused(cpu_pass):
     """Random, so only the refusal and the absence of the op are checked, not values."""
     torch._dynamo.reset()

@@ -69,17 +69,6 @@ def scalar_value(arg: Any):
     return None
 
 
-def minus_infinity(arg: Any) -> bool:
-    """True for -inf given as a number or as a graph-built scalar/full tensor."""
-    if isinstance(arg, float):
-        return arg == float("-inf")
-    if is_op(arg, aten.scalar_tensor):
-        return minus_infinity(arg.args[0])
-    if is_op(arg, aten.full) and len(arg.args) > 1:
-        return minus_infinity(arg.args[1])
-    return False
-
-
 def insert_call(graph: fx.Graph, target, args: tuple, kwargs: Optional[dict] = None) -> fx.Node:
     """Adds a call at the graph's current insert point and records its fake value in meta['val']."""
     kwargs = kwargs or {}

@@ -19,6 +19,7 @@ from .fx_utils import forward_users, is_backward_node
 from .match_sdpa import is_sdpa, match_sdpa
 from .match_softmax import attention_shaped, match_softmax_attention, softmax_at
 from .causal_mask import mask_pattern
+from .refusals import Refusal
 from .rewrite import BackwardRegion, backward_region, forward_region, rewrite_site
 from .site import BSHD, AttentionSite
 from .softmax_dim_guard import move_softmax_to_last_dim
@@ -64,24 +65,24 @@ def _decide(site: AttentionSite) -> Optional[BackwardRegion]:
     _simplify_mask(site)
     refused = refusal_reason(site)
     if refused:
-        site.refuse(*refused)
+        site.refuse_as(refused)
         return None
     region = forward_region(site)
     site.forward_nodes = region
     shared = [n for n in region if n is not site.anchor and any(u not in region for u in forward_users(n))]
     inputs_of = _inputs_reaching(site, region)
     if any(len(inputs_of[n]) > 1 for n in shared):  # scores or probabilities that someone else reads
-        site.refuse("intermediate_used_elsewhere")
+        site.refuse(Refusal.INTERMEDIATE_USED_ELSEWHERE)
         return None
     backward = backward_region(site, region)
-    if backward is not None and shared:  # the shared view's backward would carry both users' gradients
-        backward = "training_shared_input"
-    if isinstance(backward, str):
-        site.refuse(backward)
+    if backward is None:
         return None
-    refused = backward_refusal_reason(site) if backward is not None else None
+    if shared:  # the shared view's backward would carry both users' gradients
+        site.refuse(Refusal.TRAINING_SHARED_INPUT)
+        return None
+    refused = backward_refusal_reason(site)
     if refused:
-        site.refuse(*refused)
+        site.refuse_as(refused)
         return None
     return backward
 

@@ -8,6 +8,7 @@ from typing import Iterator, Optional
 
 from torch._dynamo.utils import counters
 
+from .refusals import Refusal
 from .site import AttentionSite
 
 COUNTER_GROUP = "fa2_inductor"
@@ -17,7 +18,7 @@ COUNTER_GROUP = "fa2_inductor"
 class SiteRecord:
     description: str
     rewritten: bool
-    reason: Optional[str]
+    reason: Optional[Refusal]
     detail: str
     graph_kind: str  # "inference" or "training"
 
@@ -47,6 +48,6 @@ def record(site: AttentionSite, graph_kind: str) -> None:
         form = "is_causal" if site.is_causal else ("mask" if site.mask is not None else "no_mask")
         counters[COUNTER_GROUP]["rewrites:" + form] += 1
     else:
-        counters[COUNTER_GROUP]["refused:" + site.refusal] += 1
+        counters[COUNTER_GROUP]["refused:" + site.refusal.value] += 1
     for records in _collectors:
         records.append(SiteRecord(site.describe(), site.refusal is None, site.refusal, site.detail, graph_kind))

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from .fx_utils import aten, insert_call, is_backward_node, is_op, tensor_val
+from .refusals import Refusal
 from .site import BSHD, FLAT, AttentionSite
 
 _SWAP_HEADS_AND_SEQ = [0, 2, 1, 3]
@@ -107,8 +108,8 @@ def _gradient_key_matches(node: fx.Node, key: tuple) -> bool:
     return position is None or node.target is not operator.getitem or node.args[1] == position
 
 
-def backward_region(site: AttentionSite, region: set):
-    """The site's backward in a joint graph; None when there is none; a refusal reason when unusable."""
+def backward_region(site: AttentionSite, region: set) -> Optional[BackwardRegion]:
+    """The site's backward in a joint graph; None when there is none or (the site refused) when unusable."""
     seqs = {n.meta.get("seq_nr") for n in region if not is_backward_node(n)} - {None, -1}
     graph = site.anchor.graph
     tagged = [n for n in graph.nodes if is_backward_node(n) and n.meta.get("seq_nr") in seqs]
@@ -127,10 +128,12 @@ def backward_region(site: AttentionSite, region: set):
         if a not in members and a not in forward and isinstance(tensor_val(a), torch.Tensor) and _carries_gradient(a)
     }
     if len(grad_inputs) != 1:
-        return "training_backward_unrecognised"
+        site.refuse(Refusal.TRAINING_BACKWARD_UNRECOGNISED)
+        return None
     inputs = {"q": site.q, "k": site.k, "v": site.v}
     if len(set(inputs.values())) != 3:
-        return "training_shared_input"
+        site.refuse(Refusal.TRAINING_SHARED_INPUT)
+        return None
     keys = {name: _gradient_owner_keys(node, region) for name, node in inputs.items()}
     grads = {}
     for node in nodes:
@@ -138,7 +141,8 @@ def backward_region(site: AttentionSite, region: set):
             continue
         owners = [name for name, own in keys.items() if any(_gradient_key_matches(node, key) for key in own)]
         if len(owners) != 1 or owners[0] in grads:
-            return "training_gradient_unmapped"
+            site.refuse(Refusal.TRAINING_GRADIENT_UNMAPPED)
+            return None
         grads[owners[0]] = node
     return BackwardRegion(nodes, grad_inputs.pop(), grads)
 
