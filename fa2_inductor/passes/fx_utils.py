@@ -48,6 +48,11 @@ def is_backward_node(node: fx.Node) -> bool:
     return bool(node.meta.get("autograd_backward")) or node.meta.get("partitioner_tag") == "is_backward"
 
 
+def is_joint_graph(graph: fx.Graph) -> bool:
+    """A forward + backward (training) graph."""
+    return any(is_backward_node(n) for n in graph.nodes)
+
+
 def forward_users(node: fx.Node) -> list[fx.Node]:
     """Users outside the backward; an alias that only feeds the backward counts as backward."""
     users = []

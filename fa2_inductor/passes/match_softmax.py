@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from . import op_table as ops
-from .fx_utils import forward_users, insert_call, same_shape, scalar_value, tensor_val
+from .fx_utils import forward_users, insert_call, is_joint_graph, same_shape, scalar_value, tensor_val
 from .precision import chain_rounding_refusal, run_in_input_precision
 from .refusals import Refusal, Refused
 from .site import BHSD, BSHD, FLAT, AttentionSite
@@ -243,7 +243,7 @@ def _is_number(value) -> bool:
 
 def _where_mask(scores: _Scores, where: fx.Node) -> Optional[fx.Node]:
     """``where(visible, s, fill)`` / ``where(blocked, fill, s)``: a -inf fill is a boolean mask; a fill that
-    float32 addition absorbs every score into is an additive mask; any other fill refuses."""
+    float32 addition absorbs every score into is an additive mask (in inference graphs); other fills refuse."""
     condition, if_true, if_false = (ops.arg(where, n) for n in ("condition", "self", "other"))
     true_fill, false_fill = _fill_value(if_true, where), _fill_value(if_false, where)
     if false_fill is not None and isinstance(if_true, fx.Node) and _reaches_matmul(if_true):
@@ -265,6 +265,8 @@ def _where_mask(scores: _Scores, where: fx.Node) -> Optional[fx.Node]:
         scores.refused = Refused(Refusal.FINITE_FILL_VALUE, f"fill {fill!r}: only fills <= -2**127 add exactly")
     elif scores.rounded_to:
         scores.refused = Refused(Refusal.FINITE_FILL_VALUE, f"fill {fill!r} rounded to {sorted(map(str, scores.rounded_to))}")
+    elif is_joint_graph(where.graph):  # s + fill passes gradients to a fully masked row's scores; where() does not
+        scores.refused = Refused(Refusal.FINITE_FILL_VALUE, f"fill {fill!r} in a training graph")
     elif scores.mask_negated or any(_is_bool(m) for m in scores.masks):
         scores.refused = Refused(Refusal.SEVERAL_MASKS)
     else:
