@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from . import op_table as ops
-from .fx_utils import forward_users, insert_call, is_joint_graph, same_shape, scalar_value, tensor_val
+from .fx_utils import forward_users, insert_call, is_joint_graph, same_shape, same_size, scalar_value, tensor_val
 from .precision import chain_rounding_refusal, run_in_input_precision
 from .refusals import Refusal, Refused
 from .site import BHSD, BSHD, FLAT, AttentionSite
@@ -131,7 +131,8 @@ class _Scores:
     masks: list = field(default_factory=list)  # additive float masks (summed), or a single boolean one
     mask_negated: bool = False
     rounded_to: set = field(default_factory=set)  # float dtypes the scores are narrowed to
-    merged_heads: Optional[tuple] = None  # (B, H) while above a [B, H, M, K] -> [B*H, M, K] view
+    merged_heads: Optional[tuple] = None  # [B, H, M, K] while above a view of the scores as [B*H, M, K]
+    unflattened: list = field(default_factory=list)  # (index in masks, user) of masks met while merged_heads
     refused: Optional[Refused] = None
 
 
@@ -149,6 +150,7 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
             if scores.matmul is not None:
                 return scores
         elif _splits_heads(x, scores.merged_heads):
+            _flatten_masks(scores, x)
             x, scores.merged_heads = x.args[0], None
             continue
         scaled = _scale_factor(x)
@@ -163,8 +165,8 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
         elif ops.calls(x, *ops.WHERE):
             x = _where_mask(scores, x)
         elif scores.merged_heads is None and _merges_heads(x):
-            scores.merged_heads = tuple(tensor_val(x.args[0]).shape[:2])
             x = x.args[0]
+            scores.merged_heads = tuple(tensor_val(x).shape)
         elif any(_reaches_matmul(a) for a in x.all_input_nodes):
             scores.refused = _transform_refusal(x)
         else:
@@ -260,7 +262,9 @@ def _where_mask(scores: _Scores, where: fx.Node) -> Optional[fx.Node]:
     elif fill == float("-inf"):
         if scores.masks:
             scores.refused = Refused(Refusal.SEVERAL_MASKS)
-        scores.masks, scores.mask_negated = [_mask_for_flat_scores(condition, scores, where)], negated
+        else:
+            scores.masks.append(_mask_for_flat_scores(condition, scores, where))
+            scores.mask_negated = negated
     elif not (_FLOAT32_MIN <= fill <= _ABSORBING_FILL):
         scores.refused = Refused(Refusal.FINITE_FILL_VALUE, f"fill {fill!r}: only fills <= -2**127 add exactly")
     elif scores.rounded_to:
@@ -295,29 +299,54 @@ def _merges_heads(node: fx.Node) -> bool:
     return len(src) == 4 and len(dst) == 3 and same_shape([src[0] * src[1], src[2], src[3]], dst)
 
 
-def _splits_heads(node: fx.Node, heads: tuple) -> bool:
-    """The view of [B*H, M, K] scores as [B, H, M, K] that ``_merges_heads`` undoes."""
+def _splits_heads(node: fx.Node, merged_shape: tuple) -> bool:
+    """The view of [B*H, M, K] scores as the [B, H, M, K] that ``_merges_heads`` merged again."""
     if not ops.calls(node, *ops.VIEW):
         return False
     src, dst = tensor_val(node.args[0]).shape, tensor_val(node).shape
-    return len(src) == 3 and len(dst) == 4 and same_shape(dst, [*heads, src[1], src[2]])
+    return len(src) == 3 and same_shape(dst, merged_shape)
 
 
 def _mask_for_flat_scores(mask: fx.Node, scores: _Scores, user: fx.Node) -> fx.Node:
-    """A mask applied to [B, H, M, K] scores, shown as one for the [B*H, M, K] scores the site computes."""
-    if scores.merged_heads is None:
-        return mask
-    b, h = scores.merged_heads
-    shape = [1] * (4 - tensor_val(mask).dim()) + list(tensor_val(mask).shape)
-    graph = user.graph
+    """A mask of ``user``; one applied to a [B, H, M, K] view of the scores is flattened when the walk
+    reaches the view that splits [B*H, M, K] (``_flatten_masks``)."""
+    if scores.merged_heads is not None:
+        scores.unflattened.append((len(scores.masks), user))
+    return mask
+
+
+def _flatten_masks(scores: _Scores, split: fx.Node) -> None:
+    for index, user in scores.unflattened:
+        scores.masks[index] = _flat_mask(scores.masks[index], split, user)
+    scores.unflattened = []
+
+
+def _flat_mask(mask: fx.Node, split: fx.Node, user: fx.Node) -> fx.Node:
+    """A mask broadcast to the [B, H, M, K] ``split`` view, as one for the [B*H, M, K] scores."""
+    graph, aten = user.graph, torch.ops.aten
+    new = []
     with graph.inserting_before(user):
-        if all(s == 1 for s in shape[:2]):  # broadcast over batch and heads: a view
-            new = [insert_call(graph, torch.ops.aten.view.default, (mask, shape[2:]))]
+        while tensor_val(new[-1] if new else mask).dim() < 4:
+            new.append(insert_call(graph, aten.unsqueeze.default, (new[-1] if new else mask, 0)))
+        mask4 = new[-1] if new else mask
+        if all(same_size(s, 1) for s in tensor_val(mask4).shape[:2]):  # broadcast over batch and heads: a view
+            new.append(insert_call(graph, aten.squeeze.dims, (mask4, [0, 1])))
         else:  # one mask row per (batch, head): a copy
-            new = [insert_call(graph, torch.ops.aten.expand.default, (mask, [b, h, *shape[2:]]))]
-            new.append(insert_call(graph, torch.ops.aten.clone.default, (new[-1],), {"memory_format": torch.contiguous_format}))
-            new.append(insert_call(graph, torch.ops.aten.view.default, (new[-1], [b * h, *shape[2:]])))
+            sizes = [_size(graph, split, d, new) for d in (0, 1)]
+            new.append(insert_call(graph, aten.expand.default, (mask4, [*sizes, -1, -1])))
+            new.append(insert_call(graph, aten.clone.default, (new[-1],), {"memory_format": torch.contiguous_format}))
+            rows = [_size(graph, mask4, d, new) for d in (2, 3)]
+            new.append(insert_call(graph, aten.view.default, (new[-1], [-1, *rows])))
     _tag_like(user, new)
+    return new[-1]
+
+
+def _size(graph: fx.Graph, node: fx.Node, dim: int, new: list):
+    """A size of ``node`` as a graph argument: the int, or a sym_size node for a symbolic one."""
+    size = tensor_val(node).shape[dim]
+    if isinstance(size, int):
+        return size
+    new.append(insert_call(graph, torch.ops.aten.sym_size.int, (node, dim)))
     return new[-1]
 
 
