@@ -23,6 +23,12 @@ REWRITTEN = "rewritten"
 # pattern -> verdict in inference and in training (dropout_p = 0); a dtype-keyed dict where they differ.
 VERDICTS = {
     **{n: (REWRITTEN, REWRITTEN) for n in PATTERNS},
+    # GPT-2's where(causal, s, finfo.min): s + finfo.min would give a fully masked row's scores gradients
+    18: (REWRITTEN, "finite_fill_value"),
+    19: (REWRITTEN, "finite_fill_value"),
+    # MBart: the mask (requiring grad) is added to a 4-D view of the 3-D scores; the op's mask is its
+    # [B*H, M, K] copy, whose gradient is not the mask's
+    24: (REWRITTEN, "training_gradient_unmapped"),
 }
 
 

@@ -17,17 +17,19 @@ import fa2_inductor
 from tests.pass_checks import compile_and_compare, pass_counts, qkv
 
 FLASH_FWD = torch.ops.fa2_inductor.flash_attention_fwd.default
+FLASH_BWD = torch.ops.fa2_inductor.flash_attention_bwd.default
 D = 16
 
 
 class OpNodes(CustomGraphPass):
-    """Collects the op's nodes from each post-grad graph, to check the arguments the pass chose."""
+    """Collects the op's nodes (forward, then backward) from each post-grad graph, to check the arguments
+    the pass chose."""
 
     def __init__(self):
         self.nodes = []
 
     def __call__(self, graph):
-        self.nodes += [n for n in graph.nodes if n.target is FLASH_FWD]
+        self.nodes += [n for n in graph.nodes if n.target in (FLASH_FWD, FLASH_BWD)]
 
     def uuid(self):
         return None
@@ -459,3 +461,31 @@ def test_float32_math_whose_output_stays_float32_runs_in_float32(op_nodes):
 
     compile_and_compare(float32_out, *qkv(dtype=torch.bfloat16), rewrites=1)
     assert op_nodes[0].args[0].meta["val"].dtype == torch.float32
+
+
+# --- training: masks that require grad, q/k/v views other ops read too --------------------------------
+@pytest.mark.parametrize("mask_shape", [(2, 1, 8, 8), (2, 4, 8, 8), (1, 1, 1, 8)], ids=str)
+def test_mask_gradient_comes_from_the_op(op_nodes, mask_shape):
+    q, k, v = qkv(train=True)
+    mask = torch.randn(mask_shape, requires_grad=True)
+    compile_and_compare(_additive_mask, q, k, v, mask, rewrites=1, train=True)
+    (backward,) = [n for n in op_nodes if n.target is FLASH_BWD]
+    assert backward.args[-1] is True  # compute_mask_grad
+
+
+def _keys_also_returned(q, k, v):
+    """q, k, v arrive [B, S, H, D]; the transposed k and v are returned too (T5 in Inductor's patterns 22/26)."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return _softmax_pv(q @ k.transpose(-2, -1) * D**-0.5, v), k, v
+
+
+def _keys_also_used(q, k, v):
+    """The transposed k feeds a second, differentiable output: its gradient is the sum of both."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return _softmax_pv(q @ k.transpose(-2, -1) * D**-0.5, v) + k.sum(-2, keepdim=True) * 0.5
+
+
+@pytest.mark.parametrize("fn", [_keys_also_returned, _keys_also_used], ids=["returned", "used"])
+def test_views_of_inputs_read_elsewhere_in_training(op_nodes, fn):
+    compile_and_compare(fn, *qkv(train=True, bshd=True), rewrites=1, train=True)
+    assert [n.target for n in op_nodes] == [FLASH_FWD, FLASH_BWD]

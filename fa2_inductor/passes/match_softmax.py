@@ -316,13 +316,17 @@ def _mask_for_flat_scores(mask: fx.Node, scores: _Scores, user: fx.Node) -> fx.N
 
 
 def _flatten_masks(scores: _Scores, split: fx.Node) -> None:
+    heads = _heads_sizes(split)
+    if heads is None and scores.unflattened:
+        scores.refused = Refused(Refusal.UNRECOGNISED_LAYOUT, "a mask on a [B, H, M, K] view with a symbolic -1 size")
+        return
     for index, user in scores.unflattened:
-        scores.masks[index] = _flat_mask(scores.masks[index], split, user)
+        scores.masks[index] = _flat_mask(scores.masks[index], heads, user)
     scores.unflattened = []
 
 
-def _flat_mask(mask: fx.Node, split: fx.Node, user: fx.Node) -> fx.Node:
-    """A mask broadcast to the [B, H, M, K] ``split`` view, as one for the [B*H, M, K] scores."""
+def _flat_mask(mask: fx.Node, heads: list, user: fx.Node) -> fx.Node:
+    """A mask broadcast to [B, H, M, K] scores (``heads`` = [B, H]), as one for the [B*H, M, K] scores."""
     graph, aten = user.graph, torch.ops.aten
     new = []
     with graph.inserting_before(user):
@@ -332,13 +336,21 @@ def _flat_mask(mask: fx.Node, split: fx.Node, user: fx.Node) -> fx.Node:
         if all(same_size(s, 1) for s in tensor_val(mask4).shape[:2]):  # broadcast over batch and heads: a view
             new.append(insert_call(graph, aten.squeeze.dims, (mask4, [0, 1])))
         else:  # one mask row per (batch, head): a copy
-            sizes = [_size(graph, split, d, new) for d in (0, 1)]
-            new.append(insert_call(graph, aten.expand.default, (mask4, [*sizes, -1, -1])))
+            new.append(insert_call(graph, aten.expand.default, (mask4, [*heads, -1, -1])))
             new.append(insert_call(graph, aten.clone.default, (new[-1],), {"memory_format": torch.contiguous_format}))
             rows = [_size(graph, mask4, d, new) for d in (2, 3)]
             new.append(insert_call(graph, aten.view.default, (new[-1], [-1, *rows])))
     _tag_like(user, new)
     return new[-1]
+
+
+def _heads_sizes(split: fx.Node) -> Optional[list]:
+    """B and H as the split view's own size arguments (ints or symbolic-size nodes the graph has already:
+    a size read off the scores themselves would make them look used outside the site)."""
+    sizes = list(ops.arg(split, "size")[:2])
+    shape = tensor_val(split).shape
+    sizes = [shape[d] if isinstance(a, int) and a < 0 else a for d, a in enumerate(sizes)]
+    return sizes if all(isinstance(a, fx.Node) or (isinstance(a, int) and a >= 0) for a in sizes) else None
 
 
 def _size(graph: fx.Graph, node: fx.Node, dim: int, new: list):
@@ -361,11 +373,11 @@ def _peel_operand(operand: Operand):
     """(source, dims, factors): walks through scalar scaling and more views on a matmul operand."""
     node, dims, factors = operand.source, list(operand.dims), []
     while True:
-        scaled = _scale_factor(node)
+        scaled = _scale_factor(node) if len(forward_users(node)) <= 1 else None  # a shared node is the input
         if scaled is None:
             return node, dims, factors
         factors.append(scaled[1:])
-        source, source_dims = strip_views(scaled[0])
+        source, source_dims = strip_views(scaled[0], keep_shared=True)
         dims = [source_dims[d] for d in dims]
         if None in dims:
             return None

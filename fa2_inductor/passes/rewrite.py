@@ -77,7 +77,7 @@ def forward_region(site: AttentionSite) -> set:
 class BackwardRegion:
     nodes: list  # in graph order
     grad_out: fx.Node
-    grads: dict  # "q"/"k"/"v" -> the backward node holding that input's gradient
+    grads: dict  # "q"/"k"/"v" (and "mask") -> the backward node holding that input's gradient
 
 
 def _gradient_owner_keys(start: fx.Node, region: set) -> set:
@@ -134,17 +134,37 @@ def backward_region(site: AttentionSite, region: set) -> Optional[BackwardRegion
     if len(set(inputs.values())) != 3:
         site.refuse(Refusal.TRAINING_SHARED_INPUT)
         return None
+    if _mask_gradient_mappable(site):
+        inputs["mask"] = site.mask
     keys = {name: _gradient_owner_keys(node, region) for name, node in inputs.items()}
     grads = {}
     for node in nodes:
         if all(u in members for u in node.users):
             continue
         owners = [name for name, own in keys.items() if any(_gradient_key_matches(node, key) for key in own)]
+        if not owners and "mask" in inputs and _is_mask_gradient(node, site.mask):
+            owners = ["mask"]  # a mask as large as the scores: its gradient is the scores' own (no reduction)
         if len(owners) != 1 or owners[0] in grads:
             site.refuse(Refusal.TRAINING_GRADIENT_UNMAPPED)
             return None
         grads[owners[0]] = node
     return BackwardRegion(nodes, grad_inputs.pop(), grads)
+
+
+def _mask_gradient_mappable(site: AttentionSite) -> bool:
+    """The op's mask is the graph's own mask node (one additive mask, in its own layout): the op's dmask
+    is then its gradient, reduced over broadcast dims as the graph reduces it."""
+    mask = tensor_val(site.mask) if site.mask is not None else None
+    if mask is None or site.is_causal or site.extra_masks or not mask.dtype.is_floating_point:
+        return False
+    if site.kind != "matmul_softmax":  # SDPA's backward ops differ in whether (and where) they return one
+        return False
+    return not (site.layouts["q"] == FLAT and mask.dim() == 3)
+
+
+def _is_mask_gradient(node: fx.Node, mask: fx.Node) -> bool:
+    value, mask_value = tensor_val(node), tensor_val(mask)
+    return value is not None and value.dtype == mask_value.dtype and tuple(value.shape) == tuple(mask_value.shape)
 
 
 def _with_untagged_links(graph: fx.Graph, nodes: list, region: set) -> set:
@@ -219,10 +239,13 @@ def _rewrite_backward(site: AttentionSite, backward: BackwardRegion, saved: tupl
     start = max((backward.grad_out, lse), key=order.__getitem__)
     with graph.inserting_before(start.next):
         grad_out = to_op_layout(graph, backward.grad_out, site.layouts["out"])
+        mask_grad = "mask" in backward.grads
         bwd = insert_call(graph, torch.ops.fa2_inductor.flash_attention_bwd.default,
-                          (grad_out, q, k, v, out, lse, mask, site.scale, site.is_causal, False))
+                          (grad_out, q, k, v, out, lse, mask, site.scale, site.is_causal, mask_grad))
         grads = {name: insert_call(graph, operator.getitem, (bwd, i)) for i, name in enumerate("qkv")}
         grads = {name: from_op_layout(graph, g, site.layouts[name]) for name, g in grads.items()}
+        if mask_grad:  # reduced to the mask's own shape by the op
+            grads["mask"] = insert_call(graph, operator.getitem, (bwd, 3))
         for factor, divide in site.symbolic_scale:  # q was scaled before the op: chain rule
             grads["q"] = insert_call(graph, aten.div.Tensor if divide else aten.mul.Tensor, (grads["q"], factor))
     _tag_new_nodes(graph, existing, backward=True)

@@ -14,7 +14,7 @@ from typing import Optional
 import torch.fx as fx
 
 from . import op_table as ops
-from .fx_utils import same_shape, same_size, tensor_val
+from .fx_utils import forward_users, same_shape, same_size, tensor_val
 
 
 def _is_identity(node: fx.Node) -> bool:
@@ -40,24 +40,31 @@ def _is_unit_view(node: fx.Node) -> bool:
     return same_shape(a, b)
 
 
-def strip_views(node: fx.Node, unit_views: bool = True) -> tuple[fx.Node, list[Optional[int]]]:
+def strip_views(node: fx.Node, unit_views: bool = True, keep_shared: bool = False) -> tuple[fx.Node, list[Optional[int]]]:
     """(source, dims): ``node`` shows ``source`` through permutes and (if ``unit_views``) size-1 dims.
 
     ``dims[i]`` is the source dim that ``node``'s dim i shows, or None for an inserted size-1 dim.
+    With ``keep_shared``, a view that other ops read too is the source (its gradient is not only ours).
     """
     if not isinstance(node, fx.Node) or tensor_val(node) is None:
         return node, []
+
+    def through(view_input: fx.Node):
+        if keep_shared and len(forward_users(view_input)) > 1:
+            return view_input, list(range(tensor_val(view_input).dim()))
+        return strip_views(view_input, unit_views, keep_shared)
+
     if _is_identity(node):
-        return strip_views(node.args[0], unit_views)
+        return through(node.args[0])
     if ops.calls(node, *ops.PERMUTE):
-        source, dims = strip_views(node.args[0], unit_views)
+        source, dims = through(node.args[0])
         return source, [dims[i] for i in ops.arg(node, "dims")]
     if ops.calls(node, *ops.UNSQUEEZE) and unit_views:
-        source, dims = strip_views(node.args[0], unit_views)
+        source, dims = through(node.args[0])
         at = ops.arg(node, "dim") % (len(dims) + 1)
         return source, dims[:at] + [None] + dims[at:]
     if unit_views and _is_unit_view(node):
-        source, dims = strip_views(node.args[0], unit_views)
+        source, dims = through(node.args[0])
         src_shape = tensor_val(node.args[0]).shape
         kept = iter([dims[i] for i in _non_unit(src_shape)])
         return source, [None if same_size(s, 1) else next(kept) for s in tensor_val(node).shape]
@@ -119,7 +126,7 @@ def _operand(bmm_arg: fx.Node, rank: int) -> Optional[Operand]:
     # Through size-1 views first (einsum); without them when that leaves a tensor of another rank
     # (e.g. MQA's [B, 1, G, S, D] -> [B, G, S, D] repeat, which must stay the operand).
     for unit_views in (True, False):
-        source, source_dims = strip_views(node, unit_views)
+        source, source_dims = strip_views(node, unit_views, keep_shared=True)
         dims = [source_dims[i] for i in kept]
         if None not in dims and len(set(dims)) == rank and tensor_val(source).dim() == rank:
             return Operand(source, dims)
