@@ -26,7 +26,7 @@ from torch._dynamo.utils import counters
 import fa2_inductor
 from tests.pass_checks import TOLERANCE, graph_passes_backend
 
-CASES = int(os.environ.get("FA2_INDUCTOR_FUZZ_CASES", "240"))
+CASES = int(os.environ.get("FA2_INDUCTOR_FUZZ_CASES", "200"))
 # Whole-backend cases cost ~5 s each (C++ code generation): one in forty, at least four.
 BACKEND_CASES = max(4, CASES // 40)
 _LOW = (torch.float16, torch.bfloat16)
@@ -67,7 +67,9 @@ def draw_case(seed: int) -> dict:
         "prob_ops": rng.sample(["to_dtype", "float", "half", "clone", "dropout0", "mul1", "mul2", "clamp",
                                 "transpose"], k=pick([0, 0, 1, 1, 2])),
         "use_probs_twice": pick([None, None, None, None, "return", "second_matmul"]),
+        "k_elsewhere": pick([None, None, None, "returned", "used"]),  # the site's k also read by others
         "train": rng.random() < 0.3,
+        "mask_grad": rng.random() < 0.5,  # in training, an additive mask that requires grad
         "dynamic": rng.random() < 0.1,
     }
     # A query row with no visible key: eager's softmax gives NaN over -inf, and its float16 rounding of
@@ -107,7 +109,8 @@ def _mask_input(case, heads, gen):
     shape = _mask_shape(case, heads)
     if kind in ("additive", "additive_alpha", "alpha_on_scores", "sub", "inplace_add"):
         dtype = torch.float32 if case["mask_float32"] else case["dtype"]
-        return (torch.randn(shape, generator=gen) * 2).to(dtype)
+        mask = (torch.randn(shape, generator=gen) * 2).to(dtype)
+        return mask.requires_grad_(case["train"] and case["mask_grad"] and kind != "inplace_add")
     if kind in ("masked_fill", "where", "where_swapped", "blocked_fill", "hf_min", "finite_fill", "bool_added"):
         return _visible(case, shape, gen)
     if kind == "int_added":
@@ -281,6 +284,16 @@ def make_attention(case):
         return masked(s, mask)
 
     def attention(q, k, v, mask):
+        out = attention_only(q, k, v, mask)
+        if case["k_elsewhere"] is None:
+            return out
+        k_seen = k.transpose(1, 2) if case["bshd"] else k
+        first, *rest = out if isinstance(out, tuple) else (out,)
+        if case["k_elsewhere"] == "returned":
+            return (first, *rest, k_seen)
+        return (first + k_seen.sum(-2, keepdim=True).mean(1, keepdim=True).to(first.dtype) * 0.5, *rest)
+
+    def attention_only(q, k, v, mask):
         if case["bshd"]:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         k, v = _repeat(k, case["n_rep"], case["gqa"]), _repeat(v, case["n_rep"], case["gqa"])
@@ -362,7 +375,7 @@ def check_case(case, backend) -> Counter:
     out, ref = (got[0], expected[0]) if isinstance(got, tuple) else (got, expected)
     if case["train"] and ref.requires_grad:
         grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(case["seed"])).to(ref.dtype)
-        leaves = inputs[:3]
+        leaves = [t for t in inputs if t is not None and t.requires_grad]
         got_grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
         expected_grads = torch.autograd.grad(ref, leaves, grad, allow_unused=True)
         for g, e in zip(got_grads, expected_grads):

@@ -91,7 +91,7 @@ def _scale_factor(node: fx.Node):
     """(input, factor, divide) for ``input * c`` or ``input / c`` with a scalar c."""
     if not ops.calls(node, *ops.SCALE):
         return None
-    x, c = node.args
+    x, c = ops.arg(node, "self"), ops.arg(node, "other")
     divide = node.target in ops.DIVIDE
     if isinstance(x, fx.Node) and tensor_val(x) is not None and tensor_val(x).dim() > 0:
         factor = _scalar_factor(c)
@@ -387,7 +387,7 @@ def _peel_operand(operand: Operand):
 @dataclass
 class _Probs:
     bmm: Optional[fx.Node] = None  # the P @ V matmul
-    chain: list = field(default_factory=list)  # the probabilities as P @ V may see them
+    chain: list = field(default_factory=list)  # the probabilities, cast or copied but in their own shape
     rounded_to: set = field(default_factory=set)
     refused: Optional[Refused] = None
 
@@ -409,8 +409,9 @@ def _walk_down_probs(softmax: Softmax) -> Optional[_Probs]:
             return _modified_probs(user, node) if _reaches_bmm(user) else None
         if probs.refused:
             return probs
+        if probs.chain[-1] is node and same_shape(tensor_val(user).shape, tensor_val(softmax.output).shape):
+            probs.chain.append(user)  # views that reshape P can only be the matmul's own batching (_anchor_for)
         node = user
-        probs.chain.append(node)
     return None
 
 
