@@ -259,3 +259,15 @@ def test_masked_inference_is_rewritten_on_cuda(cuda_training_rules):
 def test_masks_have_no_fast_backward_on_cuda():
     q, k, v = qkv()
     assert fa2_inductor._cuda.backward_unsupported_reason(q, k, v, torch.ones(8, 8, dtype=torch.bool), False) == "attn_mask"
+
+
+# --- gradients the op does not compute ----------------------------------------------------------------
+def test_a_learned_temperature_keeps_its_gradient(cpu_pass):
+    """A 0-d scale that requires grad: the op would fold it into q and drop d(temperature)."""
+    temperature = torch.tensor(0.3, requires_grad=True)
+
+    def attention(q, k, v, temperature):
+        return (q @ k.transpose(-2, -1) * temperature).softmax(-1) @ v
+
+    compile_and_compare(attention, *qkv(train=True), temperature, rewrites=0, train=True)
+    assert pass_counts() == {"refused:training_gradient_unmapped": 1}
