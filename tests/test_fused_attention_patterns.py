@@ -69,11 +69,24 @@ def test_pattern(cpu_pass, number, dtype, train):
     assert verdict == VERDICTS[number][train], verdict
 
 
-@pytest.mark.parametrize("number", [n for n in PATTERNS if PATTERNS[n].layout != "flat"])
+@pytest.mark.parametrize("number", PATTERNS)
 def test_pattern_with_dynamic_batch(cpu_pass, number):
     pattern = PATTERNS[number]
     inputs = pattern_inputs(pattern, pattern.dtypes[0])
     assert _compile_and_compare(pattern.fn, inputs, train=False, dynamic_batch=True) == VERDICTS[number][False]
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("number", [1, 2, 5])
+def test_pattern_under_activation_checkpointing(cpu_pass, number, train):
+    """Inductor's suite also runs patterns inside torch.utils.checkpoint (recomputed in the backward)."""
+    pattern = PATTERNS[number]
+
+    def checkpointed(*inputs):
+        return torch.utils.checkpoint.checkpoint(pattern.fn, *inputs, use_reentrant=False)
+
+    inputs = pattern_inputs(pattern, torch.float32, train=train)
+    assert _compile_and_compare(checkpointed, inputs, train=train) == REWRITTEN
 
 
 @pytest.mark.parametrize("number", [n for n in PATTERNS if "dropout_p" in PATTERNS[n].extras])
