@@ -262,12 +262,15 @@ def test_masks_have_no_fast_backward_on_cuda():
 
 
 # --- gradients the op does not compute ----------------------------------------------------------------
-def test_a_learned_temperature_keeps_its_gradient(cpu_pass):
-    """A 0-d scale that requires grad: the op would fold it into q and drop d(temperature)."""
+@pytest.mark.parametrize("bias", [None, torch.tensor(0.5)], ids=["no_mask", "0d_mask"])
+def test_a_learned_temperature_keeps_its_gradient(cpu_pass, bias):
+    """A 0-d scale that requires grad: the op would fold it into q and drop d(temperature) (nor is its
+    gradient a 0-d mask's, whatever the shapes say)."""
     temperature = torch.tensor(0.3, requires_grad=True)
 
     def attention(q, k, v, temperature):
-        return (q @ k.transpose(-2, -1) * temperature).softmax(-1) @ v
+        scores = q @ k.transpose(-2, -1) * temperature
+        return (scores if bias is None else scores + bias).softmax(-1) @ v
 
     compile_and_compare(attention, *qkv(train=True), temperature, rewrites=0, train=True)
     assert pass_counts() == {"refused:training_gradient_unmapped": 1}

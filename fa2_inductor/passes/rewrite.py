@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .fx_utils import aten, insert_call, is_backward_node, is_op, tensor_val
+from .fx_utils import aten, insert_call, is_backward_node, is_op, same_shape, tensor_val
 from .refusals import Refusal
 from .site import BSHD, FLAT, AttentionSite
 
@@ -137,17 +137,26 @@ def backward_region(site: AttentionSite, region: set) -> Optional[BackwardRegion
     if _mask_gradient_mappable(site):
         inputs["mask"] = site.mask
     keys = {name: _gradient_owner_keys(node, region) for name, node in inputs.items()}
-    grads = {}
+    grads, unowned = {}, []
     for node in nodes:
         if all(u in members for u in node.users):
             continue
         owners = [name for name, own in keys.items() if any(_gradient_key_matches(node, key) for key in own)]
-        if not owners and "mask" in inputs and _is_mask_gradient(node, site.mask):
-            owners = ["mask"]  # a mask as large as the scores: its gradient is the scores' own (no reduction)
-        if len(owners) != 1 or owners[0] in grads:
+        if not owners:
+            unowned.append(node)
+        elif len(owners) != 1 or owners[0] in grads:
             site.refuse(Refusal.TRAINING_GRADIENT_UNMAPPED)
             return None
-        grads[owners[0]] = node
+        else:
+            grads[owners[0]] = node
+    # A mask as large as the scores has no reduction node: its gradient is the scores' own, the one
+    # gradient left once q, k and v have theirs.
+    if unowned and not (len(unowned) == 1 and "mask" in inputs and grads.keys() == {"q", "k", "v"}
+                        and _is_full_mask_gradient(unowned[0], site)):
+        site.refuse(Refusal.TRAINING_GRADIENT_UNMAPPED)
+        return None
+    if unowned:
+        grads["mask"] = unowned[0]
     return BackwardRegion(nodes, grad_inputs.pop(), grads)
 
 
@@ -162,9 +171,14 @@ def _mask_gradient_mappable(site: AttentionSite) -> bool:
     return not (site.layouts["q"] == FLAT and mask.dim() == 3)
 
 
-def _is_mask_gradient(node: fx.Node, mask: fx.Node) -> bool:
-    value, mask_value = tensor_val(node), tensor_val(mask)
-    return value is not None and value.dtype == mask_value.dtype and tuple(value.shape) == tuple(mask_value.shape)
+def _is_full_mask_gradient(node: fx.Node, site: AttentionSite) -> bool:
+    """``node`` has the shape and dtype of a mask that covers every [B, Hq, Sq, Sk] score."""
+    q = value_in_op_layout(tensor_val(site.q), site.layouts["q"])
+    k = value_in_op_layout(tensor_val(site.k), site.layouts["k"])
+    scores = [q.shape[0], q.shape[1], q.shape[2], k.shape[2]]
+    value, mask = tensor_val(node), tensor_val(site.mask)
+    return (value is not None and value.dtype == mask.dtype and same_shape(mask.shape, scores)
+            and same_shape(value.shape, scores))
 
 
 def _with_untagged_links(graph: fx.Graph, nodes: list, region: set) -> set:
