@@ -473,6 +473,15 @@ def test_mask_gradient_comes_from_the_op(op_nodes, mask_shape):
     assert backward.args[-1] is True  # compute_mask_grad
 
 
+@pytest.mark.parametrize("mask_shape", [(2, 4, 8, 8), (2, 1, 8, 8)], ids=str)
+def test_gradient_of_a_mask_added_with_alpha(op_nodes, mask_shape):
+    """The op's mask is alpha * mask, whose gradient is not the mask's: that site stays."""
+    q, k, v = qkv(train=True)
+    mask = torch.randn(mask_shape, requires_grad=True)
+    compile_and_compare(_mask_scaled_by_alpha, q, k, v, mask, rewrites=0, train=True)
+    assert pass_counts() == {"refused:training_gradient_unmapped": 1}
+
+
 def _keys_also_returned(q, k, v):
     """q, k, v arrive [B, S, H, D]; the transposed k and v are returned too (T5 in Inductor's patterns 22/26)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))

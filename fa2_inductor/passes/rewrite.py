@@ -134,7 +134,7 @@ def backward_region(site: AttentionSite, region: set) -> Optional[BackwardRegion
     if len(set(inputs.values())) != 3:
         site.refuse(Refusal.TRAINING_SHARED_INPUT)
         return None
-    if _mask_gradient_mappable(site):
+    if _mask_gradient_mappable(site, region):
         inputs["mask"] = site.mask
     keys = {name: _gradient_owner_keys(node, region) for name, node in inputs.items()}
     grads, unowned = {}, []
@@ -160,13 +160,16 @@ def backward_region(site: AttentionSite, region: set) -> Optional[BackwardRegion
     return BackwardRegion(nodes, grad_inputs.pop(), grads)
 
 
-def _mask_gradient_mappable(site: AttentionSite) -> bool:
-    """The op's mask is the graph's own mask node (one additive mask, in its own layout): the op's dmask
-    is then its gradient, reduced over broadcast dims as the graph reduces it."""
+def _mask_gradient_mappable(site: AttentionSite, region: set) -> bool:
+    """The op's mask is the graph's own mask node, added to the scores as it is (one additive mask, in its
+    own layout, not a node the matcher derived from one): the op's dmask is then its gradient, reduced
+    over broadcast dims as the graph reduces it."""
     mask = tensor_val(site.mask) if site.mask is not None else None
     if mask is None or site.is_causal or site.extra_masks or not mask.dtype.is_floating_point:
         return False
     if site.kind != "matmul_softmax":  # SDPA's backward ops differ in whether (and where) they return one
+        return False
+    if not any(user in region for user in site.mask.users):  # e.g. alpha * mask, built for the op
         return False
     return not (site.layouts["q"] == FLAT and mask.dim() == 3)
 
