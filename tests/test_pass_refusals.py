@@ -274,3 +274,18 @@ def test_a_learned_temperature_keeps_its_gradient(cpu_pass, bias):
 
     compile_and_compare(attention, *qkv(train=True), temperature, rewrites=0, train=True)
     assert pass_counts() == {"refused:training_gradient_unmapped": 1}
+
+
+# --- sites left to Inductor are kept from its own wrong fusions --------------------------------------
+def _mask_added_with_alpha(q, k, v, mask):
+    return torch.add(q @ k.transpose(-2, -1) / 5.6, mask, alpha=0.5).softmax(-1) @ v
+
+
+def test_a_refused_site_keeps_its_alpha(monkeypatch):
+    """On CPU by default every site stays with Inductor, whose fusion drops a mask's alpha (torch 2.13:
+    errors of ~1); the pass folds the alpha into the mask first."""
+    monkeypatch.setattr(fa2_inductor.config, "rewrite_on_cpu", False)
+    q, k, v = qkv(seq_q=16)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        compile_and_compare(_mask_added_with_alpha, q, k, v, torch.randn(1, 1, 16, 16) * 4, rewrites=0)
+    assert pass_counts() == {"refused:cpu_device": 1}

@@ -498,3 +498,20 @@ def _keys_also_used(q, k, v):
 def test_views_of_inputs_read_elsewhere_in_training(op_nodes, fn):
     compile_and_compare(fn, *qkv(train=True, bshd=True), rewrites=1, train=True)
     assert [n.target for n in op_nodes] == [FLASH_FWD, FLASH_BWD]
+
+
+def _scores_divided_in_place(q, k, v, mask):
+    scores = q @ k.transpose(-2, -1)
+    scores.div_(D**0.5)  # functionalised into a view of a view of the scores
+    return torch.add(scores, mask, alpha=0.5).softmax(-1) @ v
+
+
+def test_scores_changed_in_place(op_nodes):
+    compile_and_compare(_scores_divided_in_place, *qkv(), torch.randn(2, 1, 8, 8), rewrites=1)
+    assert op_nodes[0].args[4] == pytest.approx(D**-0.5)
+
+
+def test_scores_changed_in_place_in_training_stay(op_nodes):
+    """The in-place op's backward is not one the site's backward region is recognised in."""
+    compile_and_compare(_scores_divided_in_place, *qkv(train=True), torch.randn(2, 1, 8, 8), rewrites=0, train=True)
+    assert pass_counts() == {"refused:training_backward_unrecognised": 1}

@@ -19,7 +19,7 @@ from .fx_utils import forward_users, insert_call, is_joint_graph, same_shape, sa
 from .precision import chain_rounding_refusal, run_in_input_precision
 from .refusals import Refusal, Refused
 from .site import BHSD, BSHD, FLAT, AttentionSite
-from .views import BatchedMatmul, Operand, batched_matmul, repeated_heads, strip_views
+from .views import BatchedMatmul, Operand, batched_matmul, repeated_heads, strip_views, undoes_a_view
 
 # Random number ops by name: some (prims.inductor_random) exist only once Inductor is loaded.
 _RANDOM_OP_NAMES = frozenset({"rand", "rand_like", "randn", "bernoulli", "native_dropout", "inductor_random", "inductor_seeds"})
@@ -164,6 +164,8 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
             x = _additive_mask(scores, x)
         elif ops.calls(x, *ops.WHERE):
             x = _where_mask(scores, x)
+        elif undoes_a_view(x):
+            x = x.args[0].args[0]
         elif scores.merged_heads is None and _merges_heads(x):
             x = x.args[0]
             scores.merged_heads = tuple(tensor_val(x).shape)

@@ -40,6 +40,13 @@ def _is_unit_view(node: fx.Node) -> bool:
     return same_shape(a, b)
 
 
+def undoes_a_view(node: fx.Node) -> bool:
+    """``view(view(x, s), x.shape)``: x's own values (functionalised in-place ops on a view leave these)."""
+    if not (ops.calls(node, *ops.VIEW) and ops.calls(node.args[0], *ops.VIEW)):
+        return False
+    return same_shape(tensor_val(node.args[0].args[0]).shape, tensor_val(node).shape)
+
+
 def strip_views(node: fx.Node, unit_views: bool = True, keep_shared: bool = False) -> tuple[fx.Node, list[Optional[int]]]:
     """(source, dims): ``node`` shows ``source`` through permutes and (if ``unit_views``) size-1 dims.
 
@@ -56,6 +63,8 @@ def strip_views(node: fx.Node, unit_views: bool = True, keep_shared: bool = Fals
 
     if _is_identity(node):
         return through(node.args[0])
+    if undoes_a_view(node):
+        return through(node.args[0].args[0])
     if ops.calls(node, *ops.PERMUTE):
         source, dims = through(node.args[0])
         return source, [dims[i] for i in ops.arg(node, "dims")]
