@@ -515,3 +515,11 @@ def test_scores_changed_in_place_in_training_stay(op_nodes):
     """The in-place op's backward is not one the site's backward region is recognised in."""
     compile_and_compare(_scores_divided_in_place, *qkv(train=True), torch.randn(2, 1, 8, 8), rewrites=0, train=True)
     assert pass_counts() == {"refused:training_backward_unrecognised": 1}
+
+
+def test_training_with_a_row_masked_by_finfo_min(op_nodes):
+    """HF's additive mask: a query row whose every key is finfo.min averages V, and its gradients match
+    (the op's lse there has lost log(row sum): its backward must not recompute P from it)."""
+    q, k, v = qkv(train=True)
+    bias = torch.where(_visible_with_an_empty_row(8, 8), 0.0, torch.finfo(torch.float32).min)
+    compile_and_compare(_additive_mask, q, k, v, bias, rewrites=1, train=True)
