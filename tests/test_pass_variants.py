@@ -523,3 +523,8 @@ def test_training_with_a_row_masked_by_finfo_min(op_nodes):
     q, k, v = qkv(train=True)
     bias = torch.where(_visible_with_an_empty_row(8, 8), 0.0, torch.finfo(torch.float32).min)
     compile_and_compare(_additive_mask, q, k, v, bias, rewrites=1, train=True)
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 1, 8, 8), (1, 1, 8, 8)], ids=str)
+def test_mask_added_to_a_4d_view_of_3d_scores_with_dynamic_shapes(op_nodes, mask_shape):
+    compile_and_compare(_mask_on_4d_view_of_bmm_scores, *qkv(), torch.randn(mask_shape), rewrites=1, dynamic=True)

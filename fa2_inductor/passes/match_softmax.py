@@ -338,9 +338,9 @@ def _flat_mask(mask: fx.Node, heads: list, user: fx.Node) -> fx.Node:
         if all(same_size(s, 1) for s in tensor_val(mask4).shape[:2]):  # broadcast over batch and heads: a view
             new.append(insert_call(graph, aten.squeeze.dims, (mask4, [0, 1])))
         else:  # one mask row per (batch, head): a copy
+            rows = [_size(graph, mask4, d, new) for d in (2, 3)]
             new.append(insert_call(graph, aten.expand.default, (mask4, [*heads, -1, -1])))
             new.append(insert_call(graph, aten.clone.default, (new[-1],), {"memory_format": torch.contiguous_format}))
-            rows = [_size(graph, mask4, d, new) for d in (2, 3)]
             new.append(insert_call(graph, aten.view.default, (new[-1], [-1, *rows])))
     _tag_like(user, new)
     return new[-1]
