@@ -1,10 +1,11 @@
 """The ATen op overloads an attention chain may contain, and every argument that can change their values.
 
 The matchers accept a node inside a chain only through ``calls``: its overload must be in the table, and
-each argument of its schema is either an operand (read and judged by the matcher), pinned to the one
-value that keeps the math (``alpha=1``, ``rounding_mode=None``, ``keepdim=True``), or inert (memory
-format, layout, device placement: they never change a value). An overload that is not listed, or whose
-schema has an argument the table does not name (a newer torch may add one), is never accepted.
+each argument of its schema is either an operand (read and judged by the matcher, as add's ``alpha``),
+pinned to the one value that keeps the math (``rounding_mode=None``, ``keepdim=True``, sub's ``alpha=1``),
+or inert (memory format, layout, device placement: they never change a value). An overload that is not
+listed, or whose schema has an argument the table does not name (a newer torch may add one), is never
+accepted.
 
 Casts are judged by ``widens``: a float cast that keeps every value; narrowing is allowed by the
 matchers only where the op rounds the same way itself.
