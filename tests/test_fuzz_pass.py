@@ -13,6 +13,7 @@ run through the whole backend (Inductor's code generation). ``FA2_INDUCTOR_FUZZ_
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -407,13 +408,23 @@ def check_case(case, backend) -> Counter:
     return decisions
 
 
-@pytest.fixture(scope="module")
-def fuzz_pass():
+@contextlib.contextmanager
+def fuzz_config():
+    """The pass on for CPU graphs; Inductor rounding where eager rounds (its codegen otherwise keeps float32
+    across a cast to bf16/fp16, which eager's -inf from an overflowing cast would not match)."""
     previous = fa2_inductor.config.rewrite_on_cpu
     fa2_inductor.config.rewrite_on_cpu = True
-    with torch._inductor.config.patch(force_disable_caches=True):
+    try:
+        with torch._inductor.config.patch(force_disable_caches=True, emulate_precision_casts=True):
+            yield
+    finally:
+        fa2_inductor.config.rewrite_on_cpu = previous
+
+
+@pytest.fixture(scope="module")
+def fuzz_pass():
+    with fuzz_config():
         yield
-    fa2_inductor.config.rewrite_on_cpu = previous
     torch._dynamo.reset()
     counters.clear()
 
