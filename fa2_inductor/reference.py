@@ -134,13 +134,8 @@ def attention_forward(
     v_acc = v.to(acc).unsqueeze(2)
     for rows in _query_blocks(b, hq, sq, sk):
         scores = _block_scores(q, k, attn_mask, scale, is_causal, window_left, rows, shape, hkv, acc)
-        row_max = scores.amax(dim=-1, keepdim=True) if sk > 0 else scores.new_full((*scores.shape[:-1], 1), float("-inf"))
-        # Fully masked rows have max -inf: shift them by 0 so exp gives 0 instead of NaN.
-        finite_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-        probs = torch.exp(scores - finite_max)
-        row_sum = probs.sum(dim=-1, keepdim=True)
-        safe_sum = torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
-        block_out = torch.matmul(probs, v_acc) / safe_sum
+        probs, finite_max, row_sum = _shifted_exp(scores)
+        block_out = torch.matmul(probs, v_acc) / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
         block_lse = (finite_max + torch.log(row_sum)).squeeze(-1)
         out[:, :, rows] = block_out.flatten(1, 2).to(out.dtype)
         lse[:, :, rows] = block_lse.flatten(1, 2).to(lse.dtype)
@@ -160,6 +155,18 @@ def fill_empty_rows(out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, s
     out.copy_(torch.where(empty, filled.to(out.dtype), out))
 
 
+def _shifted_exp(scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(exp(scores - row max), row max, row sum of the exps); fully masked rows (max -inf) shift by 0 so
+    exp gives 0 instead of NaN."""
+    if scores.shape[-1] == 0:
+        row_max = scores.new_full((*scores.shape[:-1], 1), float("-inf"))
+    else:
+        row_max = scores.amax(dim=-1, keepdim=True)
+    finite_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    probs = torch.exp(scores - finite_max)
+    return probs, finite_max, probs.sum(dim=-1, keepdim=True)
+
+
 def attention_backward(
     grad_out: Tensor,
     q: Tensor,
@@ -173,7 +180,11 @@ def attention_backward(
     compute_mask_grad: bool,
     window_left: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """Gradients of out w.r.t. q, k, v (and the mask when asked), recomputing P from the LSE."""
+    """Gradients of out w.r.t. q, k, v (and the mask when asked), recomputing P from the scores.
+
+    ``lse`` is not read: next to a huge finite row max (a row masked with finfo.min everywhere) it has
+    lost log(row sum), and P recomputed from it would be too large there.
+    """
     b, hq, sq, _ = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     shape = (b, hq, sq, sk)
@@ -188,9 +199,8 @@ def attention_backward(
     delta = (grad_out.to(acc) * out.to(acc)).sum(-1)
     for rows in _query_blocks(b, hq, sq, sk):
         scores = _block_scores(q, k, attn_mask, scale, is_causal, window_left, rows, shape, hkv, acc)
-        block_lse = _group_view(lse[:, :, rows].unsqueeze(-1).to(acc), hkv)
-        probs = torch.exp(scores - torch.where(torch.isfinite(block_lse), block_lse, torch.zeros_like(block_lse)))
-        probs = torch.where(torch.isfinite(block_lse), probs, torch.zeros_like(probs))
+        probs, _, row_sum = _shifted_exp(scores)
+        probs = probs / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
         d_out = _group_view(grad_out[:, :, rows].to(acc), hkv)
         dv += torch.matmul(probs.transpose(-1, -2), d_out)
         d_probs = torch.matmul(d_out, v_acc.transpose(-1, -2))

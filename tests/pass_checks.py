@@ -63,3 +63,22 @@ def qkv(batch=2, heads=4, seq_q=8, seq_k=None, dim=16, kv_heads=None, dtype=torc
         return torch.randn(shape, dtype=dtype).to(device).requires_grad_(train)
 
     return make(heads, seq_q), make(kv_heads, seq_k), make(kv_heads, seq_k)
+
+
+def _eager_graphs(gm, example_inputs, **kwargs):
+    """Inductor's inner compile replaced by running the (post-pass) graph with eager kernels."""
+    from torch._functorch._aot_autograd.utils import make_boxed_func
+
+    return make_boxed_func(gm.forward)
+
+
+def graph_passes_backend(gm, example_inputs):
+    """The fa2_inductor backend up to its graphs: Inductor's decompositions and joint-graph passes with ours,
+    then the graphs run eagerly. A fraction of a second per compile: what the pass decides, without codegen."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from fa2_inductor.passes import with_attention_pass
+
+    hook = with_attention_pass(torch._inductor.config.joint_custom_pre_pass)
+    with torch._inductor.config.patch(joint_custom_pre_pass=hook):
+        return compile_fx(gm, example_inputs, inner_compile=_eager_graphs)

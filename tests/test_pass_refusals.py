@@ -77,6 +77,45 @@ def test_refused_and_counted(cpu_pass, reason, train):
     assert pass_counts() == {f"refused:{reason}": 1}
 
 
+# --- op arguments that change the math (each once rewritten into a wrong answer; alpha: test_pass_variants) --
+def _floor_divided_scores(q, k, v):
+    return (q @ k.transpose(-2, -1)).div(4.0, rounding_mode="floor").softmax(-1) @ v
+
+
+def _trunc_divided_scores(q, k, v):
+    return (q @ k.transpose(-2, -1)).div(4.0, rounding_mode="trunc").softmax(-1) @ v
+
+
+def _int_cast_scores(q, k, v):
+    return (q @ k.transpose(-2, -1) / 5.6).to(torch.int32).to(torch.float32).softmax(-1) @ v
+
+
+def _probs_floor_divided_by_sum(q, k, v):
+    """A hand-written softmax whose normalisation rounds: not a softmax."""
+    e = torch.exp(_scores(q, k) - _scores(q, k).amax(-1, keepdim=True))
+    return torch.div(e, e.sum(-1, keepdim=True), rounding_mode="floor") @ v
+
+
+MATH_CHANGING = {
+    "div_floor": (_floor_divided_scores, "unsupported_argument"),
+    "div_trunc": (_trunc_divided_scores, "unsupported_argument"),
+    "int_cast": (_int_cast_scores, "value_changing_cast"),
+}
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("name", MATH_CHANGING)
+def test_math_changing_arguments_are_refused(cpu_pass, name, train):
+    fn, reason = MATH_CHANGING[name]
+    compile_and_compare(fn, *qkv(seq_q=16, dim=32, train=train), rewrites=0, train=train and name != "int_cast")
+    assert pass_counts() == {f"refused:{reason}": 1}
+
+
+def test_a_rounding_normalisation_is_no_softmax(cpu_pass):
+    compile_and_compare(_probs_floor_divided_by_sum, *qkv(), rewrites=0)
+    assert "rewrites" not in pass_counts()
+
+
 def test_active_dropout_is_refused(cpu_pass):
     """Random, so only the refusal and the absence of the op are checked, not values."""
     torch._dynamo.reset()
@@ -248,3 +287,33 @@ def test_masked_inference_is_rewritten_on_cuda(cuda_training_rules):
 def test_masks_have_no_fast_backward_on_cuda():
     q, k, v = qkv()
     assert fa2_inductor._cuda.backward_unsupported_reason(q, k, v, torch.ones(8, 8, dtype=torch.bool), False) == "attn_mask"
+
+
+# --- gradients the op does not compute ----------------------------------------------------------------
+@pytest.mark.parametrize("bias", [None, torch.tensor(0.5)], ids=["no_mask", "0d_mask"])
+def test_a_learned_temperature_keeps_its_gradient(cpu_pass, bias):
+    """A 0-d scale that requires grad: the op would fold it into q and drop d(temperature) (nor is its
+    gradient a 0-d mask's, whatever the shapes say)."""
+    temperature = torch.tensor(0.3, requires_grad=True)
+
+    def attention(q, k, v, temperature):
+        scores = q @ k.transpose(-2, -1) * temperature
+        return (scores if bias is None else scores + bias).softmax(-1) @ v
+
+    compile_and_compare(attention, *qkv(train=True), temperature, rewrites=0, train=True)
+    assert pass_counts() == {"refused:training_gradient_unmapped": 1}
+
+
+# --- sites left to Inductor are kept from its own wrong fusions --------------------------------------
+def _mask_added_with_alpha(q, k, v, mask):
+    return torch.add(q @ k.transpose(-2, -1) / 5.6, mask, alpha=0.5).softmax(-1) @ v
+
+
+def test_a_refused_site_keeps_its_alpha(monkeypatch):
+    """On CPU by default every site stays with Inductor, whose fusion drops a mask's alpha (torch 2.13:
+    errors of ~1); the pass folds the alpha into the mask first."""
+    monkeypatch.setattr(fa2_inductor.config, "rewrite_on_cpu", False)
+    q, k, v = qkv(seq_q=16)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        compile_and_compare(_mask_added_with_alpha, q, k, v, torch.randn(1, 1, 16, 16) * 4, rewrites=0)
+    assert pass_counts() == {"refused:cpu_device": 1}

@@ -14,20 +14,22 @@ import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fa2_inductor
-from tests.pass_checks import compile_and_compare, qkv
+from tests.pass_checks import compile_and_compare, pass_counts, qkv
 
 FLASH_FWD = torch.ops.fa2_inductor.flash_attention_fwd.default
+FLASH_BWD = torch.ops.fa2_inductor.flash_attention_bwd.default
 D = 16
 
 
 class OpNodes(CustomGraphPass):
-    """Collects the op's nodes from each post-grad graph, to check the arguments the pass chose."""
+    """Collects the op's nodes (forward, then backward) from each post-grad graph, to check the arguments
+    the pass chose."""
 
     def __init__(self):
         self.nodes = []
 
     def __call__(self, graph):
-        self.nodes += [n for n in graph.nodes if n.target is FLASH_FWD]
+        self.nodes += [n for n in graph.nodes if n.target in (FLASH_FWD, FLASH_BWD)]
 
     def uuid(self):
         return None
@@ -158,6 +160,24 @@ def test_masks(op_nodes, name, train):
     q, k, v = qkv(seq_q=8, seq_k=8, train=train)
     compile_and_compare(fn, q, k, v, make_mask(8, 8), rewrites=1, train=train)
     assert op_nodes[0].args[3] is not None and op_nodes[0].args[5] is False
+
+
+def _mask_scaled_by_alpha(q, k, v, mask):
+    return torch.add(q @ k.transpose(-2, -1) * D**-0.5, mask, alpha=0.5).softmax(-1) @ v
+
+
+def _scores_scaled_by_alpha(q, k, v, mask):
+    return torch.add(mask, q @ k.transpose(-2, -1), alpha=D**-0.5).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("fn", [_mask_scaled_by_alpha, _scores_scaled_by_alpha], ids=["mask_alpha", "scores_alpha"])
+def test_add_with_alpha(op_nodes, fn, train):
+    """``add(x, y, alpha=a)`` is ``x + a * y`` (Inductor's own fusion drops a mask's alpha: torch 2.13 gives
+    errors of ~1 here, so refusing would not be enough)."""
+    q, k, v = qkv(seq_q=16, train=train)
+    compile_and_compare(fn, q, k, v, torch.randn(1, 1, 16, 16) * 4, rewrites=1, train=train)
+    assert op_nodes[0].args[4] == pytest.approx(D**-0.5)
 
 
 # --- masks provably causal become is_causal=True ----------------------------------------------------
@@ -307,3 +327,204 @@ def test_two_sites_in_a_training_graph(op_nodes):
         return SCALES["div_sqrt_d"](SCALES["on_q"](q, k, v), k.flip(2), v.flip(2))
 
     compile_and_compare(two_layers, *qkv(train=True), rewrites=2, train=True)
+
+
+# --- finite fills: where(mask, s, finfo.min) equals s + where(mask, 0, finfo.min) ------------------
+def _visible_with_an_empty_row(seq_q, seq_k):
+    visible = _bool_mask(seq_q, seq_k)
+    visible[0, :, 3] = False  # a query row that sees no key: eager averages V there, and so must we
+    return visible
+
+
+def _where_finfo_min(q, k, v, visible):
+    scores = q @ k.transpose(-2, -1) * D**-0.5
+    return _softmax_pv(torch.where(visible, scores, torch.finfo(scores.dtype).min), v)
+
+
+def _masked_fill_finfo_min(q, k, v, visible):
+    scores = q @ k.transpose(-2, -1) * D**-0.5
+    return _softmax_pv(scores.masked_fill(~visible, torch.finfo(scores.dtype).min), v)
+
+
+def _where_full_finfo_min_upcast(q, k, v, visible):
+    """GPT-2's spelling: the fill as a 0-d tensor, then a float32 softmax cast back."""
+    scores = q @ k.transpose(-2, -1) / torch.full((), D**0.5, dtype=q.dtype)
+    scores = torch.where(visible, scores, torch.full((), torch.finfo(q.dtype).min, dtype=q.dtype))
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+FILLS = {"where": _where_finfo_min, "masked_fill": _masked_fill_finfo_min, "gpt2": _where_full_finfo_min_upcast}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", FILLS)
+def test_finfo_min_fills_are_additive_masks(op_nodes, name, dtype):
+    q, k, v = qkv(seq_q=8, seq_k=8, dtype=dtype)
+    compile_and_compare(FILLS[name], q, k, v, _visible_with_an_empty_row(8, 8), rewrites=1)
+    mask = op_nodes[0].args[3]
+    assert mask is not None and mask.meta["val"].dtype.is_floating_point
+
+
+@pytest.mark.parametrize("name", FILLS)
+def test_finfo_min_fills_stay_in_training(cpu_pass, name):
+    """In a fully masked row, s + fill would pass gradients to scores that where() cuts off."""
+    q, k, v = qkv(seq_q=8, seq_k=8, train=True)
+    compile_and_compare(FILLS[name], q, k, v, _visible_with_an_empty_row(8, 8), rewrites=0, train=True)
+    assert pass_counts() == {"refused:finite_fill_value": 1}
+
+
+@pytest.mark.parametrize("fill, dtype", [(-1e9, torch.float32), (torch.finfo(torch.float16).min, torch.float16)],
+                         ids=["minus_1e9", "float16_min"])
+def test_fills_that_do_not_absorb_the_scores_are_refused(cpu_pass, fill, dtype):
+    """A fully masked row averages V in eager; scores + fill would not be uniform there."""
+    def attention(q, k, v, visible):
+        return _softmax_pv((q @ k.transpose(-2, -1) * D**-0.5).masked_fill(~visible, fill), v)
+
+    compile_and_compare(attention, *qkv(dtype=dtype), _bool_mask(8, 8), rewrites=0)
+    assert pass_counts() == {"refused:finite_fill_value": 1}
+
+
+# --- masks added through a 4-D view of 3-D (bmm) scores -------------------------------------------
+def _mask_on_4d_view_of_bmm_scores(q, k, v, mask):
+    b, h, s, d = q.shape
+    q3, k3, v3 = q.reshape(b * h, s, d), k.reshape(b * h, -1, d), v.reshape(b * h, -1, d)
+    scores = torch.bmm(q3, k3.transpose(1, 2)) * D**-0.5
+    scores = (scores.view(b, h, s, -1) + mask).view(b * h, s, -1)
+    return torch.bmm(scores.softmax(-1), v3).view(b, h, s, d)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("mask_shape", [(2, 1, 8, 8), (1, 1, 8, 8), (2, 4, 8, 8), (8,)], ids=str)
+def test_mask_added_to_a_4d_view_of_3d_scores(op_nodes, mask_shape, train):
+    mask = torch.randn(mask_shape) * 3
+    compile_and_compare(_mask_on_4d_view_of_bmm_scores, *qkv(train=train), mask, rewrites=1, train=train)
+
+
+# --- SDPA's safe softmax: rows whose scores are all -inf give 0, as the op does --------------------
+def _safe_softmax_attention(q, k, v, mask):
+    scores = q @ k.transpose(-2, -1) * D**-0.5 + mask
+    return torch.ops.aten._safe_softmax(scores, -1) @ v
+
+
+def _blocking_mask(dtype):
+    mask = torch.randn(2, 1, 8, 8).to(dtype)
+    mask[:, :, :, 5:] = float("-inf")
+    mask[1, :, 2] = float("-inf")  # a row with no visible key
+    return mask
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_safe_softmax(op_nodes, dtype, train):
+    compile_and_compare(_safe_softmax_attention, *qkv(dtype=dtype, train=train), _blocking_mask(dtype),
+                        rewrites=1, train=train)
+
+
+def _zeroed_where_scores_are_negative(q, k, v):
+    scores = q @ k.transpose(-2, -1) * D**-0.5
+    probs = scores.softmax(-1)
+    return torch.where(scores.amax(-1, keepdim=True) < 0, 0.0, probs) @ v
+
+
+def test_other_zeroed_rows_are_no_safe_softmax(cpu_pass):
+    compile_and_compare(_zeroed_where_scores_are_negative, *qkv(), rewrites=0)
+    assert pass_counts() == {"refused:probs_modified": 1}
+
+
+# --- float32 attention on upcast fp16/bf16 q, k, v (SDPA's math path; ViT under torch.compile) -------
+def _float32_math_cast_back(q, k, v, mask=None):
+    root = D**-0.25
+    qf, kf, vf = (t.float() for t in (q, k, v))
+    scores = (qf * root) @ (kf.transpose(-2, -1) * root)
+    if mask is not None:
+        scores = scores + mask
+    return (torch.ops.aten._safe_softmax(scores, -1) @ vf).to(q.dtype)
+
+
+def _sdpa_math_path(q, k, v):
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v)[0]
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fn", [_float32_math_cast_back, _sdpa_math_path], ids=["hand_written", "sdpa_math"])
+def test_float32_math_on_upcast_inputs_runs_in_their_dtype(op_nodes, fn, dtype, train):
+    compile_and_compare(fn, *qkv(dtype=dtype, train=train), rewrites=1, train=train)
+    q, k, v = op_nodes[0].args[:3]
+    assert {t.meta["val"].dtype for t in (q, k, v)} == {dtype}
+
+
+def test_float32_math_whose_output_stays_float32_runs_in_float32(op_nodes):
+    def float32_out(q, k, v):
+        qf, kf, vf = (t.float() for t in (q, k, v))
+        return (qf @ kf.transpose(-2, -1) * D**-0.5).softmax(-1) @ vf
+
+    compile_and_compare(float32_out, *qkv(dtype=torch.bfloat16), rewrites=1)
+    assert op_nodes[0].args[0].meta["val"].dtype == torch.float32
+
+
+# --- training: masks that require grad, q/k/v views other ops read too --------------------------------
+@pytest.mark.parametrize("mask_shape", [(2, 1, 8, 8), (2, 4, 8, 8), (1, 1, 1, 8)], ids=str)
+def test_mask_gradient_comes_from_the_op(op_nodes, mask_shape):
+    q, k, v = qkv(train=True)
+    mask = torch.randn(mask_shape, requires_grad=True)
+    compile_and_compare(_additive_mask, q, k, v, mask, rewrites=1, train=True)
+    (backward,) = [n for n in op_nodes if n.target is FLASH_BWD]
+    assert backward.args[-1] is True  # compute_mask_grad
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 4, 8, 8), (2, 1, 8, 8)], ids=str)
+def test_gradient_of_a_mask_added_with_alpha(op_nodes, mask_shape):
+    """The op's mask is alpha * mask, whose gradient is not the mask's: that site stays."""
+    q, k, v = qkv(train=True)
+    mask = torch.randn(mask_shape, requires_grad=True)
+    compile_and_compare(_mask_scaled_by_alpha, q, k, v, mask, rewrites=0, train=True)
+    assert pass_counts() == {"refused:training_gradient_unmapped": 1}
+
+
+def _keys_also_returned(q, k, v):
+    """q, k, v arrive [B, S, H, D]; the transposed k and v are returned too (T5 in Inductor's patterns 22/26)."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return _softmax_pv(q @ k.transpose(-2, -1) * D**-0.5, v), k, v
+
+
+def _keys_also_used(q, k, v):
+    """The transposed k feeds a second, differentiable output: its gradient is the sum of both."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return _softmax_pv(q @ k.transpose(-2, -1) * D**-0.5, v) + k.sum(-2, keepdim=True) * 0.5
+
+
+@pytest.mark.parametrize("fn", [_keys_also_returned, _keys_also_used], ids=["returned", "used"])
+def test_views_of_inputs_read_elsewhere_in_training(op_nodes, fn):
+    compile_and_compare(fn, *qkv(train=True, bshd=True), rewrites=1, train=True)
+    assert [n.target for n in op_nodes] == [FLASH_FWD, FLASH_BWD]
+
+
+def _scores_divided_in_place(q, k, v, mask):
+    scores = q @ k.transpose(-2, -1)
+    scores.div_(D**0.5)  # functionalised into a view of a view of the scores
+    return torch.add(scores, mask, alpha=0.5).softmax(-1) @ v
+
+
+def test_scores_changed_in_place(op_nodes):
+    compile_and_compare(_scores_divided_in_place, *qkv(), torch.randn(2, 1, 8, 8), rewrites=1)
+    assert op_nodes[0].args[4] == pytest.approx(D**-0.5)
+
+
+def test_scores_changed_in_place_in_training_stay(op_nodes):
+    """The in-place op's backward is not one the site's backward region is recognised in."""
+    compile_and_compare(_scores_divided_in_place, *qkv(train=True), torch.randn(2, 1, 8, 8), rewrites=0, train=True)
+    assert pass_counts() == {"refused:training_backward_unrecognised": 1}
+
+
+def test_training_with_a_row_masked_by_finfo_min(op_nodes):
+    """HF's additive mask: a query row whose every key is finfo.min averages V, and its gradients match
+    (the op's lse there has lost log(row sum): its backward must not recompute P from it)."""
+    q, k, v = qkv(train=True)
+    bias = torch.where(_visible_with_an_empty_row(8, 8), 0.0, torch.finfo(torch.float32).min)
+    compile_and_compare(_additive_mask, q, k, v, bias, rewrites=1, train=True)
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 1, 8, 8), (1, 1, 8, 8)], ids=str)
+def test_mask_added_to_a_4d_view_of_3d_scores_with_dynamic_shapes(op_nodes, mask_shape):
+    compile_and_compare(_mask_on_4d_view_of_bmm_scores, *qkv(), torch.randn(mask_shape), rewrites=1, dynamic=True)

@@ -48,6 +48,11 @@ def is_backward_node(node: fx.Node) -> bool:
     return bool(node.meta.get("autograd_backward")) or node.meta.get("partitioner_tag") == "is_backward"
 
 
+def is_joint_graph(graph: fx.Graph) -> bool:
+    """A forward + backward (training) graph."""
+    return any(is_backward_node(n) for n in graph.nodes)
+
+
 def forward_users(node: fx.Node) -> list[fx.Node]:
     """Users outside the backward; an alias that only feeds the backward counts as backward."""
     users = []
@@ -67,17 +72,6 @@ def scalar_value(arg: Any):
     if isinstance(arg, fx.Node) and isinstance(val(arg), (torch.SymInt, torch.SymFloat, int, float)):
         return arg
     return None
-
-
-def minus_infinity(arg: Any) -> bool:
-    """True for -inf given as a number or as a graph-built scalar/full tensor."""
-    if isinstance(arg, float):
-        return arg == float("-inf")
-    if is_op(arg, aten.scalar_tensor):
-        return minus_infinity(arg.args[0])
-    if is_op(arg, aten.full) and len(arg.args) > 1:
-        return minus_infinity(arg.args[1])
-    return False
 
 
 def insert_call(graph: fx.Graph, target, args: tuple, kwargs: Optional[dict] = None) -> fx.Node:

@@ -16,12 +16,13 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from .. import _extension, config
 from . import report
 from .fx_utils import forward_users, is_backward_node
+from .inductor_guards import shield_attention_chains
 from .match_sdpa import is_sdpa, match_sdpa
-from .match_softmax import attention_shaped, match_softmax_attention, softmax_at
+from .match_softmax import match_softmax_attention, softmax_at
 from . import mask_structure
+from .refusals import Refusal
 from .rewrite import BackwardRegion, backward_region, forward_region, rewrite_site
 from .site import BSHD, AttentionSite
-from .softmax_dim_guard import move_softmax_to_last_dim
 from .support import backward_refusal_reason, refusal_reason
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,24 +66,24 @@ def _decide(site: AttentionSite) -> Optional[BackwardRegion]:
     _simplify_mask(site)
     refused = refusal_reason(site)
     if refused:
-        site.refuse(*refused)
+        site.refuse_as(refused)
         return None
     region = forward_region(site)
     site.forward_nodes = region
     shared = [n for n in region if n is not site.anchor and any(u not in region for u in forward_users(n))]
     inputs_of = _inputs_reaching(site, region)
     if any(len(inputs_of[n]) > 1 for n in shared):  # scores or probabilities that someone else reads
-        site.refuse("intermediate_used_elsewhere")
+        site.refuse(Refusal.INTERMEDIATE_USED_ELSEWHERE)
         return None
     backward = backward_region(site, region)
-    if backward is not None and shared:  # the shared view's backward would carry both users' gradients
-        backward = "training_shared_input"
-    if isinstance(backward, str):
-        site.refuse(backward)
+    if backward is None:
         return None
-    refused = backward_refusal_reason(site) if backward is not None else None
+    if shared:  # the shared view's backward would carry both users' gradients
+        site.refuse(Refusal.TRAINING_SHARED_INPUT)
+        return None
+    refused = backward_refusal_reason(site)
     if refused:
-        site.refuse(*refused)
+        site.refuse_as(refused)
         return None
     return backward
 
@@ -113,18 +114,8 @@ class AttentionPass(CustomGraphPass):
             found_site = True
             report.record(site, graph_kind)
         # Rewrites leave the replaced nodes dead, and so may a refused site's matcher.
-        if self._shield_non_last_dim_softmax(graph) or found_site:
+        if shield_attention_chains(graph) or found_site:
             graph.eliminate_dead_code()
-
-    @staticmethod
-    def _shield_non_last_dim_softmax(graph: fx.Graph) -> bool:
-        moved = False
-        for node in list(graph.nodes):
-            softmax = softmax_at(node) if node.op == "call_function" and not is_backward_node(node) else None
-            if softmax is not None and softmax.dim != softmax.input.meta["val"].dim() - 1 and attention_shaped(softmax):
-                move_softmax_to_last_dim(graph, softmax)
-                moved = True
-        return moved
 
     def uuid(self) -> bytes:
         # The pass's sources, the op's support rules (in the built extension, when there is one) and every

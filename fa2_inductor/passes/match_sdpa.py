@@ -9,41 +9,18 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from . import op_table as ops
 from .fx_utils import aten, insert_call, prims, tensor_val
+from .precision import run_in_input_precision
+from .refusals import Refusal
 from .site import BHSD, AttentionSite
 from .views import repeated_heads
 
-# Every ATen form SDPA takes after dispatch; their arguments are read by schema name.
-SDPA_OPS = tuple(
-    getattr(aten, name)
-    for name in (
-        "scaled_dot_product_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_fused_attention_overrideable",
-    )
-    if hasattr(aten, name)
-)
-
 
 def is_sdpa(node: fx.Node) -> bool:
+    """A call of one of ATen's SDPA ops (any overload: ``match_sdpa`` judges its arguments)."""
     packet = getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
-    return packet is not None and any(packet is op for op in SDPA_OPS)
-
-
-def _bound_arguments(node: fx.Node) -> dict:
-    schema = node.target._schema
-    bound = {}
-    for i, arg in enumerate(schema.arguments):
-        if i < len(node.args):
-            bound[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            bound[arg.name] = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            bound[arg.name] = arg.default_value
-    return bound
+    return packet is not None and any(packet is op.overloadpacket for op in ops.SDPA)
 
 
 def _output(node: fx.Node) -> Optional[fx.Node]:
@@ -67,11 +44,13 @@ def match_sdpa(node: fx.Node) -> Optional[AttentionSite]:
     anchor = _output(node)
     if anchor is None:
         return None
-    args = _bound_arguments(node)
     site = AttentionSite("sdpa", anchor)
     site.forward_nodes = {node, *node.users}
-    if args.get("dropout_p", 0.0) != 0.0:
-        return site.refuse("dropout_active")
+    if not ops.calls(node, *ops.SDPA):
+        return site.refuse(Refusal.UNSUPPORTED_ARGUMENT, ops.unaccepted_use(node))
+    args = ops.arguments(node)
+    if args["dropout_p"] != 0.0:
+        return site.refuse(Refusal.DROPOUT_ACTIVE)
     q, k, v = args["query"], args["key"], args["value"]
     site.q, site.k, site.v = q, k, v
     site.layouts = {"q": BHSD, "k": BHSD, "v": BHSD, "out": BHSD}
@@ -86,4 +65,5 @@ def match_sdpa(node: fx.Node) -> Optional[AttentionSite]:
     k_rep, v_rep = repeated_heads(k), repeated_heads(v)
     if k_rep and v_rep and k_rep[1] == v_rep[1]:
         site.k, site.v, site.n_rep = k_rep[0], v_rep[0], k_rep[1]
+    run_in_input_precision(site)
     return site

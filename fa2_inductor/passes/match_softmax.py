@@ -1,71 +1,103 @@
-"""Hand-written attention in ATen: ``softmax(scale * (q @ kᵀ) + mask, -1) @ v`` in all its spellings."""
+"""Hand-written attention in ATen: ``softmax(scale * (q @ kᵀ) + mask, -1) @ v`` in all its spellings.
+
+Every node accepted inside the chain goes through ``op_table.calls`` (overload and every argument that
+can change a value); anything else between the matmuls refuses the site with the reason it is not
+the op's attention.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.fx as fx
 
-from .fx_utils import aten, forward_users, is_op, minus_infinity, prims, scalar_value, tensor_val
+from . import op_table as ops
+from .fx_utils import forward_users, insert_call, is_joint_graph, same_shape, same_size, scalar_value, tensor_val
+from .precision import chain_rounding_refusal, run_in_input_precision
+from .refusals import Refusal, Refused
 from .site import BHSD, BSHD, FLAT, AttentionSite
-from .views import BatchedMatmul, Operand, batched_matmul, repeated_heads, strip_views
+from .views import BatchedMatmul, Operand, batched_matmul, repeated_heads, strip_views, undoes_a_view
 
-# Ops allowed between the softmax and the P @ V matmul: casts, dropout(p=0)'s clone, views.
-_PROBS_PASSTHROUGH = (prims.convert_element_type, aten.clone, aten.alias, aten.expand, aten.view,
-                      aten._unsafe_view, aten.reshape, aten.permute, aten.unsqueeze)
 # Random number ops by name: some (prims.inductor_random) exist only once Inductor is loaded.
 _RANDOM_OP_NAMES = frozenset({"rand", "rand_like", "randn", "bernoulli", "native_dropout", "inductor_random", "inductor_seeds"})
 _LAYOUTS_QV = {(0, 1, 2, 3): BHSD, (0, 2, 1, 3): BSHD, (0, 1, 2): FLAT}
 _LAYOUTS_KT = {(0, 1, 3, 2): BHSD, (0, 2, 3, 1): BSHD, (0, 2, 1): FLAT}
+# A fill at most this large (and finite in float32) is an additive mask: s + fill rounds to fill in
+# float32 for every |s| < 2**103, so masked scores, and rows with every key masked, come out as in eager.
+_ABSORBING_FILL = -(2.0**127)
+_FLOAT32_MIN = torch.finfo(torch.float32).min
+# Ops allowed between the softmax and the P @ V matmul besides casts and the safe softmax's zeroing.
+_PROBS_LAYOUT = ops.IDENTITY + ops.VIEW + ops.EXPAND + ops.PERMUTE + ops.UNSQUEEZE
+
+
+def _dtype(node) -> torch.dtype:
+    return tensor_val(node).dtype
 
 
 @dataclass
 class Softmax:
-    input: fx.Node
+    input: fx.Node  # the tensor the softmax normalises
     output: fx.Node
     dim: int  # normalised to be non-negative
+    rounded_to: set = field(default_factory=set)  # float dtypes the softmax itself narrows its input to
+    refused: Optional[Refused] = None
 
 
 def softmax_at(node: fx.Node) -> Optional[Softmax]:
     """Recognises the softmax Inductor's decomposition leaves (amax, sub, exp, sum, div) or an undecomposed one."""
-    if is_op(node, aten._softmax, aten._safe_softmax):
+    if ops.calls(node, *ops.SOFTMAX, *ops.SAFE_SOFTMAX):
         x = node.args[0]
-        return Softmax(x, node, node.args[1] % tensor_val(x).dim())
-    if not is_op(node, aten.div) or not isinstance(node.args[1], fx.Node):
+        softmax = Softmax(x, node, ops.arg(node, "dim") % tensor_val(x).dim())
+        _judge_cast(softmax, _dtype(x), _dtype(node), "in the softmax")
+        return softmax
+    if not ops.calls(node, *ops.overloads(torch.ops.aten.div, "Tensor")) or not isinstance(node.args[1], fx.Node):
         return None
     exp, total = node.args
-    if not (is_op(exp, aten.exp) and is_op(total, aten.sum) and total.args[0] is exp and is_op(exp.args[0], aten.sub)):
+    if not (ops.calls(exp, *ops.EXP) and ops.calls(total, *ops.SUM) and total.args[0] is exp and ops.calls(exp.args[0], *ops.SUB)):
         return None
     x, row_max = exp.args[0].args
-    if not (is_op(row_max, aten.amax) and row_max.args[0] is x):
+    if not (ops.calls(row_max, *ops.AMAX) and row_max.args[0] is x):
         return None
     rank = tensor_val(x).dim()
-    dims = {d % rank for d in row_max.args[1]}
-    if len(dims) != 1 or {d % rank for d in total.args[1]} != dims:
+    dims = {d % rank for d in ops.arg(row_max, "dim")}
+    if len(dims) != 1 or {d % rank for d in ops.arg(total, "dim")} != dims:
         return None
     return Softmax(x, node, dims.pop())
 
 
+def _judge_cast(record, source: torch.dtype, target: torch.dtype, where: str) -> None:
+    """Widening keeps values; a float narrowing is kept for the site's dtype check; the rest refuses."""
+    if ops.widens(source, target):
+        return
+    if source.is_floating_point and target.is_floating_point:
+        record.rounded_to.add(target)
+    elif record.refused is None:
+        record.refused = Refused(Refusal.VALUE_CHANGING_CAST, f"{source} -> {target} {where}")
+
+
 def _scalar_factor(arg):
-    """A number, a SymFloat node, or a 0-d floating tensor node (dynamic shapes give ``1/sqrt(d)`` so)."""
+    """A finite number, a SymFloat node, or a 0-d floating tensor node (dynamic shapes give ``1/sqrt(d)`` so)."""
     value = tensor_val(arg)
     if value is not None:
         return arg if value.dim() == 0 and value.dtype.is_floating_point else None
-    return scalar_value(arg)
+    factor = scalar_value(arg)
+    return None if isinstance(factor, (int, float)) and not math.isfinite(factor) else factor
 
 
 def _scale_factor(node: fx.Node):
     """(input, factor, divide) for ``input * c`` or ``input / c`` with a scalar c."""
-    if not is_op(node, aten.mul, aten.div) or len(node.args) != 2:
+    if not ops.calls(node, *ops.SCALE):
         return None
-    x, c = node.args
+    x, c = ops.arg(node, "self"), ops.arg(node, "other")
+    divide = node.target in ops.DIVIDE
     if isinstance(x, fx.Node) and tensor_val(x) is not None and tensor_val(x).dim() > 0:
         factor = _scalar_factor(c)
         if factor is not None:
-            return x, factor, is_op(node, aten.div)
-    if is_op(node, aten.mul) and isinstance(c, fx.Node) and tensor_val(c) is not None and tensor_val(c).dim() > 0:
+            return x, factor, divide
+    if not divide and isinstance(c, fx.Node) and tensor_val(c) is not None and tensor_val(c).dim() > 0:
         factor = _scalar_factor(x)
         if factor is not None:
             return c, factor, False
@@ -75,14 +107,16 @@ def _scale_factor(node: fx.Node):
 def _reaches_matmul(node: fx.Node, steps: int = 8) -> bool:
     """A batched matmul lies above ``node`` through elementwise ops (what scores go through)."""
     for _ in range(steps):
-        if batched_matmul(node) is not None:
+        if not isinstance(node, fx.Node):
+            return False
+        if batched_matmul(node) is not None or ops.calls(node, *ops.BMM):
             return True
         scaled = _scale_factor(node)
         if scaled:
             node = scaled[0]
             continue
         tensor_inputs = [a for a in node.all_input_nodes if tensor_val(a) is not None]
-        if is_op(node, aten.add, aten.where):
+        if len(tensor_inputs) > 1:
             return any(_reaches_matmul(a, steps - 1) for a in tensor_inputs)
         if len(tensor_inputs) != 1 or tensor_val(node) is None:
             return False
@@ -92,12 +126,14 @@ def _reaches_matmul(node: fx.Node, steps: int = 8) -> bool:
 
 @dataclass
 class _Scores:
-    matmul: Optional[BatchedMatmul]
-    factors: list  # (factor, divide) on the scores
-    masks: list  # additive float masks (summed), or a single boolean one
+    matmul: Optional[BatchedMatmul] = None
+    factors: list = field(default_factory=list)  # (factor, divide) on the scores
+    masks: list = field(default_factory=list)  # additive float masks (summed), or a single boolean one
     mask_negated: bool = False
-    refusal: Optional[str] = None
-    detail: str = ""
+    rounded_to: set = field(default_factory=set)  # float dtypes the scores are narrowed to
+    merged_heads: Optional[tuple] = None  # [B, H, M, K] while above a view of the scores as [B*H, M, K]
+    unflattened: list = field(default_factory=list)  # (index in masks, user) of masks met while merged_heads
+    refused: Optional[Refused] = None
 
 
 def _is_bool(node) -> bool:
@@ -105,111 +141,332 @@ def _is_bool(node) -> bool:
     return value is not None and value.dtype == torch.bool
 
 
-def _walk_up_scores(x: fx.Node) -> Optional[_Scores]:
-    """From the softmax input up to the q @ kᵀ matmul, collecting scale factors and masks."""
-    scores = _Scores(None, [], [])
-    for _ in range(16):
-        scores.matmul = batched_matmul(x)
-        if scores.matmul is not None:
-            return scores
+def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
+    """From the softmax input up to the q @ kᵀ matmul, collecting scale factors, masks and casts."""
+    x, scores = softmax.input, _Scores(rounded_to=set(softmax.rounded_to))
+    for _ in range(24):
+        if scores.merged_heads is None:
+            scores.matmul = batched_matmul(x)
+            if scores.matmul is not None:
+                return scores
+        elif _splits_heads(x, scores.merged_heads):
+            _flatten_masks(scores, x)
+            x, scores.merged_heads = x.args[0], None
+            continue
         scaled = _scale_factor(x)
-        if is_op(x, prims.convert_element_type):
+        if ops.calls(x, *ops.CAST):
+            _judge_cast(scores, _dtype(x.args[0]), _dtype(x), "on the scores")
             x = x.args[0]
         elif scaled:
             x = scaled[0]
             scores.factors.append(scaled[1:])
-        elif is_op(x, aten.add) and len(x.args) == 2 and all(isinstance(a, fx.Node) for a in x.args):
-            a, b = x.args
-            a_scores, b_scores = _reaches_matmul(a), _reaches_matmul(b)
-            if a_scores == b_scores:
-                return None
-            x, mask = (a, b) if a_scores else (b, a)
-            if not tensor_val(mask).dtype.is_floating_point:  # s + bool adds 1.0: not a mask the op knows
-                return _refused(scores, "non_float_additive_mask")
-            if scores.factors or scores.mask_negated or any(_is_bool(m) for m in scores.masks):
-                return _refused(scores, "scale_after_mask" if scores.factors else "several_masks")
-            scores.masks.append(mask)
-        elif is_op(x, aten.where) and len(x.args) == 3:
-            condition, if_true, if_false = x.args
-            if minus_infinity(if_false) and isinstance(if_true, fx.Node):
-                x, negated = if_true, False
-            elif minus_infinity(if_true) and isinstance(if_false, fx.Node):
-                x, negated = if_false, True
-            else:
-                return _refused(scores, "finite_fill_value") if _reaches_matmul(x) else None
-            if scores.factors or scores.masks:
-                return _refused(scores, "scale_after_mask" if scores.factors else "several_masks")
-            scores.masks, scores.mask_negated = [condition], negated
+        elif ops.calls(x, *ops.ADD) and all(isinstance(a, fx.Node) for a in x.args):
+            x = _additive_mask(scores, x)
+        elif ops.calls(x, *ops.WHERE):
+            x = _where_mask(scores, x)
+        elif undoes_a_view(x):
+            x = x.args[0].args[0]
+        elif scores.merged_heads is None and _merges_heads(x):
+            x = x.args[0]
+            scores.merged_heads = tuple(tensor_val(x).shape)
+        elif any(_reaches_matmul(a) for a in x.all_input_nodes):
+            scores.refused = _transform_refusal(x)
         else:
-            transformed = any(_reaches_matmul(a) for a in x.all_input_nodes)
-            if not transformed:
-                return None
-            # tanh between scale and softmax is logit soft-capping (Gemma 2): not an attention the op computes.
-            return _refused(scores, "softcap" if is_op(x, aten.tanh) else "score_transform", str(x.target))
+            return None
+        if x is None:
+            return None
+        if scores.refused:
+            return scores
     return None
 
 
-def _refused(scores: _Scores, reason: str, detail: str = "") -> _Scores:
-    scores.refusal, scores.detail = reason, detail
-    return scores
+def _transform_refusal(node: fx.Node) -> Refused:
+    """Why an op on the scores makes the chain something else than the op's attention."""
+    unaccepted = ops.unaccepted_use(node)
+    if unaccepted:
+        return Refused(Refusal.UNSUPPORTED_ARGUMENT, unaccepted)
+    # tanh between scale and softmax is logit soft-capping (Gemma 2): not an attention the op computes.
+    reason = Refusal.SOFTCAP if node.target is torch.ops.aten.tanh.default else Refusal.SCORE_TRANSFORM
+    return Refused(reason, str(node.target))
+
+
+def _additive_mask(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
+    """``s + mask``; ``add(s, mask, alpha=a)`` is ``s + a * mask``, ``add(mask, s, alpha=a)`` is ``a * s + mask``."""
+    a, b = add.args
+    alpha = ops.arg(add, "alpha")
+    a_scores, b_scores = _reaches_matmul(a), _reaches_matmul(b)
+    if a_scores == b_scores:
+        return None
+    x, mask = (a, b) if a_scores else (b, a)
+    if not (_is_number(alpha) and math.isfinite(alpha)):
+        scores.refused = Refused(Refusal.UNSUPPORTED_ARGUMENT, f"{add.target} with alpha={alpha!r}")
+    elif not _dtype(mask).is_floating_point:  # s + bool adds 1.0: not a mask the op knows
+        scores.refused = Refused(Refusal.NON_FLOAT_ADDITIVE_MASK, str(_dtype(mask)))
+    elif scores.factors:
+        scores.refused = Refused(Refusal.SCALE_AFTER_MASK)
+    elif scores.mask_negated or any(_is_bool(m) for m in scores.masks):
+        scores.refused = Refused(Refusal.SEVERAL_MASKS)
+    elif any(not ops.widens(_dtype(mask), d) for d in scores.rounded_to):
+        scores.refused = Refused(Refusal.VALUE_CHANGING_CAST, f"a {_dtype(mask)} mask rounded to "
+                                 f"{', '.join(sorted(map(str, scores.rounded_to)))} with the scores")
+    else:
+        if alpha != 1 and mask is b:
+            mask = _scaled_mask(mask, alpha, add)
+        scores.masks.append(_mask_for_flat_scores(mask, scores, add))
+        if alpha != 1 and x is b:
+            scores.factors.append((alpha, False))  # applied to the scores before the mask is added
+    return x
+
+
+def _scaled_mask(mask: fx.Node, alpha, add: fx.Node) -> fx.Node:
+    with add.graph.inserting_before(add):
+        scaled = insert_call(add.graph, torch.ops.aten.mul.Tensor, (mask, alpha))
+    _tag_like(add, [scaled])
+    return scaled
+
+
+def _fill_value(arg, where: fx.Node) -> Optional[float]:
+    """The constant a where() branch puts into the scores, as the where's dtype holds it; None if not constant."""
+    if isinstance(arg, fx.Node):
+        if not ops.calls(arg, *ops.FILL):
+            return None
+        value = ops.arguments(arg).get("fill_value", ops.arguments(arg).get("s"))
+        if not _is_number(value):
+            return None  # a symbolic fill
+        value = torch.tensor(value, dtype=_dtype(arg)).item()
+    elif _is_number(arg):
+        value = arg
+    else:
+        return None
+    return torch.tensor(value, dtype=_dtype(where)).item()
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _where_mask(scores: _Scores, where: fx.Node) -> Optional[fx.Node]:
+    """``where(visible, s, fill)`` / ``where(blocked, fill, s)``: a -inf fill is a boolean mask; a fill that
+    float32 addition absorbs every score into is an additive mask (in inference graphs); other fills refuse."""
+    condition, if_true, if_false = (ops.arg(where, n) for n in ("condition", "self", "other"))
+    true_fill, false_fill = _fill_value(if_true, where), _fill_value(if_false, where)
+    if false_fill is not None and isinstance(if_true, fx.Node) and _reaches_matmul(if_true):
+        x, fill, negated = if_true, false_fill, False
+    elif true_fill is not None and isinstance(if_false, fx.Node) and _reaches_matmul(if_false):
+        x, fill, negated = if_false, true_fill, True
+    else:
+        scores.refused = Refused(Refusal.SCORE_TRANSFORM, "where() without a constant fill")
+        return None
+    if _reaches_matmul(condition):
+        scores.refused = Refused(Refusal.SCORE_TRANSFORM, "a mask computed from the scores")
+    elif scores.factors:
+        scores.refused = Refused(Refusal.SCALE_AFTER_MASK)
+    elif fill == float("-inf"):
+        if scores.masks:
+            scores.refused = Refused(Refusal.SEVERAL_MASKS)
+        else:
+            scores.masks.append(_mask_for_flat_scores(condition, scores, where))
+            scores.mask_negated = negated
+    elif not (_FLOAT32_MIN <= fill <= _ABSORBING_FILL):
+        scores.refused = Refused(Refusal.FINITE_FILL_VALUE, f"fill {fill!r}: only fills <= -2**127 add exactly")
+    elif scores.rounded_to:
+        scores.refused = Refused(Refusal.FINITE_FILL_VALUE, f"fill {fill!r} rounded to {sorted(map(str, scores.rounded_to))}")
+    elif is_joint_graph(where.graph):  # s + fill passes gradients to a fully masked row's scores; where() does not
+        scores.refused = Refused(Refusal.FINITE_FILL_VALUE, f"fill {fill!r} in a training graph")
+    elif scores.mask_negated or any(_is_bool(m) for m in scores.masks):
+        scores.refused = Refused(Refusal.SEVERAL_MASKS)
+    else:
+        scores.masks.append(_mask_for_flat_scores(_fill_as_additive(where, condition, fill, negated), scores, where))
+    return x
+
+
+def _fill_as_additive(where: fx.Node, condition: fx.Node, fill: float, negated: bool) -> fx.Node:
+    """``where(condition, 0, fill)`` (or the reverse): the fill as an additive mask in the where's dtype."""
+    dtype = _dtype(where) if _dtype(where) in (torch.float32, torch.bfloat16) else torch.float32
+    graph = where.graph
+    with graph.inserting_before(where):
+        zero, blocked = (insert_call(graph, torch.ops.aten.scalar_tensor.default, (value,), {"dtype": dtype})
+                         for value in (0.0, fill))
+        branches = (blocked, zero) if negated else (zero, blocked)
+        mask = insert_call(graph, torch.ops.aten.where.self, (condition, *branches))
+    _tag_like(where, (zero, blocked, mask))
+    return mask
+
+
+def _merges_heads(node: fx.Node) -> bool:
+    """A view of [B, H, M, K] scores as [B*H, M, K] (masks were added to a 4-D view of 3-D scores)."""
+    if not ops.calls(node, *ops.VIEW):
+        return False
+    src, dst = tensor_val(node.args[0]).shape, tensor_val(node).shape
+    return len(src) == 4 and len(dst) == 3 and same_shape([src[0] * src[1], src[2], src[3]], dst)
+
+
+def _splits_heads(node: fx.Node, merged_shape: tuple) -> bool:
+    """The view of [B*H, M, K] scores as the [B, H, M, K] that ``_merges_heads`` merged again."""
+    if not ops.calls(node, *ops.VIEW):
+        return False
+    src, dst = tensor_val(node.args[0]).shape, tensor_val(node).shape
+    return len(src) == 3 and same_shape(dst, merged_shape)
+
+
+def _mask_for_flat_scores(mask: fx.Node, scores: _Scores, user: fx.Node) -> fx.Node:
+    """A mask of ``user``; one applied to a [B, H, M, K] view of the scores is flattened when the walk
+    reaches the view that splits [B*H, M, K] (``_flatten_masks``)."""
+    if scores.merged_heads is not None:
+        scores.unflattened.append((len(scores.masks), user))
+    return mask
+
+
+def _flatten_masks(scores: _Scores, split: fx.Node) -> None:
+    heads = _heads_sizes(split)
+    if heads is None and scores.unflattened:
+        scores.refused = Refused(Refusal.UNRECOGNISED_LAYOUT, "a mask on a [B, H, M, K] view with a symbolic -1 size")
+        return
+    for index, user in scores.unflattened:
+        scores.masks[index] = _flat_mask(scores.masks[index], heads, user)
+    scores.unflattened = []
+
+
+def _flat_mask(mask: fx.Node, heads: list, user: fx.Node) -> fx.Node:
+    """A mask broadcast to [B, H, M, K] scores (``heads`` = [B, H]), as one for the [B*H, M, K] scores."""
+    graph, aten = user.graph, torch.ops.aten
+    new = []
+    with graph.inserting_before(user):
+        while tensor_val(new[-1] if new else mask).dim() < 4:
+            new.append(insert_call(graph, aten.unsqueeze.default, (new[-1] if new else mask, 0)))
+        mask4 = new[-1] if new else mask
+        if all(same_size(s, 1) for s in tensor_val(mask4).shape[:2]):  # broadcast over batch and heads: a view
+            new.append(insert_call(graph, aten.squeeze.dims, (mask4, [0, 1])))
+        else:  # one mask row per (batch, head): a copy
+            rows = [_size(graph, mask4, d, new) for d in (2, 3)]
+            new.append(insert_call(graph, aten.expand.default, (mask4, [*heads, -1, -1])))
+            new.append(insert_call(graph, aten.clone.default, (new[-1],), {"memory_format": torch.contiguous_format}))
+            new.append(insert_call(graph, aten.view.default, (new[-1], [-1, *rows])))
+    _tag_like(user, new)
+    return new[-1]
+
+
+def _heads_sizes(split: fx.Node) -> Optional[list]:
+    """B and H as the split view's own size arguments (ints or symbolic-size nodes the graph has already:
+    a size read off the scores themselves would make them look used outside the site)."""
+    sizes = list(ops.arg(split, "size")[:2])
+    shape = tensor_val(split).shape
+    sizes = [shape[d] if isinstance(a, int) and a < 0 else a for d, a in enumerate(sizes)]
+    return sizes if all(isinstance(a, fx.Node) or (isinstance(a, int) and a >= 0) for a in sizes) else None
+
+
+def _size(graph: fx.Graph, node: fx.Node, dim: int, new: list):
+    """A size of ``node`` as a graph argument: the int, or a sym_size node for a symbolic one."""
+    size = tensor_val(node).shape[dim]
+    if isinstance(size, int):
+        return size
+    new.append(insert_call(graph, torch.ops.aten.sym_size.int, (node, dim)))
+    return new[-1]
+
+
+def _tag_like(node: fx.Node, new_nodes) -> None:
+    """New forward nodes carry the partitioner's tag of the node they serve (joint graphs need it)."""
+    if "partitioner_tag" in node.meta:
+        for new in new_nodes:
+            new.meta.setdefault("partitioner_tag", node.meta["partitioner_tag"])
 
 
 def _peel_operand(operand: Operand):
     """(source, dims, factors): walks through scalar scaling and more views on a matmul operand."""
     node, dims, factors = operand.source, list(operand.dims), []
     while True:
-        scaled = _scale_factor(node)
+        scaled = _scale_factor(node) if len(forward_users(node)) <= 1 else None  # a shared node is the input
         if scaled is None:
             return node, dims, factors
         factors.append(scaled[1:])
-        source, source_dims = strip_views(scaled[0])
+        source, source_dims = strip_views(scaled[0], keep_shared=True)
         dims = [source_dims[d] for d in dims]
         if None in dims:
             return None
         node = source
 
 
-def _walk_down_probs(softmax: Softmax):
-    """(P @ V matmul, probability nodes) or a refusal reason, or None when no matmul follows."""
-    node, chain = softmax.output, [softmax.output]
+@dataclass
+class _Probs:
+    bmm: Optional[fx.Node] = None  # the P @ V matmul
+    chain: list = field(default_factory=list)  # the probabilities, cast or copied but in their own shape
+    rounded_to: set = field(default_factory=set)
+    refused: Optional[Refused] = None
+
+
+def _walk_down_probs(softmax: Softmax) -> Optional[_Probs]:
+    """The P @ V matmul below a softmax (or why the probabilities reach it changed); None if none follows."""
+    node, probs = softmax.output, _Probs(chain=[softmax.output])
     for _ in range(16):
         users = forward_users(node)
         if len(users) != 1:
-            return "probs_used_elsewhere" if len(users) > 1 else None
+            return _Probs(refused=Refused(Refusal.PROBS_USED_ELSEWHERE)) if len(users) > 1 else None
         user = users[0]
-        if is_op(user, aten.bmm):
-            return (user, chain) if user.args[0] is node else None
-        if is_op(user, aten.mul):
-            other = [a for a in user.args if a is not node]
-            return "dropout_active" if other and _is_random(other[0]) else "probs_modified"
-        if _zeroes_empty_rows(user, node, softmax.input):
-            node = user  # SDPA's safe softmax: rows with no visible key give 0, as the op does
-            chain.append(node)
-            continue
-        if not is_op(user, *_PROBS_PASSTHROUGH):
-            return "probs_modified" if is_op(user, aten.add, aten.sub, aten.div, aten.where) else None
+        if ops.calls(user, *ops.BMM):
+            probs.bmm = user
+            return probs if user.args[0] is node else None
+        if ops.calls(user, *ops.CAST):
+            _judge_cast(probs, _dtype(node), _dtype(user), "on the probabilities")
+        elif not (_zeroes_empty_rows(user, node, softmax) or ops.calls(user, *_PROBS_LAYOUT)):
+            return _modified_probs(user, node) if _reaches_bmm(user) else None
+        if probs.refused:
+            return probs
+        if probs.chain[-1] is node and same_shape(tensor_val(user).shape, tensor_val(softmax.output).shape):
+            probs.chain.append(user)  # views that reshape P can only be the matmul's own batching (_anchor_for)
         node = user
-        chain.append(node)
     return None
 
 
-def _zeroes_empty_rows(node: fx.Node, probs: fx.Node, scores: fx.Node) -> bool:
-    """``where(no_key_visible(scores), 0, probs)``: the condition must be computed from the scores alone."""
-    if not (is_op(node, aten.where) and len(node.args) == 3 and node.args[2] is probs):
-        return False
-    condition, zero = node.args[0], node.args[1]
-    if not (zero == 0 or (is_op(zero, aten.full, aten.scalar_tensor) and zero.args[-1] == 0)):
-        return False
-    ancestors, stack = set(), [condition]
-    while stack:
-        n = stack.pop()
-        if n is scores or n in ancestors:
-            continue
-        if n.op != "call_function" or len(ancestors) > 8:
+def _modified_probs(user: fx.Node, probs: fx.Node) -> _Probs:
+    if getattr(user.target, "overloadpacket", None) is torch.ops.aten.mul:
+        if any(_is_random(a) for a in user.all_input_nodes if a is not probs):
+            return _Probs(refused=Refused(Refusal.DROPOUT_ACTIVE))
+    return _Probs(refused=Refused(Refusal.PROBS_MODIFIED, ops.unaccepted_use(user) or str(user.target)))
+
+
+def _reaches_bmm(node: fx.Node, steps: int = 8) -> bool:
+    for _ in range(steps):
+        users = forward_users(node)
+        if any(ops.calls(u, *ops.BMM) for u in users):
+            return True
+        if len(users) != 1:
             return False
-        ancestors.add(n)
-        stack.extend(n.all_input_nodes)
-    return True
+        node = users[0]
+    return False
+
+
+def _zeroes_empty_rows(node: fx.Node, probs: fx.Node, softmax: Softmax) -> bool:
+    """SDPA's safe softmax: ``where(row_fully_masked(scores), 0, probs)``: rows with no visible key give 0,
+    as the op does. The condition must be exactly "every score of the row is -inf" over the softmax dim."""
+    if not (ops.calls(node, *ops.WHERE) and ops.arg(node, "other") is probs):
+        return False
+    zero = ops.arg(node, "self")
+    if _fill_value(zero, node) != 0:
+        return False
+    return _all_minus_infinity(ops.arg(node, "condition"), softmax)
+
+
+def _all_minus_infinity(condition, softmax: Softmax) -> bool:
+    """``all(x == -inf, dim, keepdim)`` or ``not any(not (x == -inf), dim, keepdim)`` with x the scores."""
+    if ops.calls(condition, *ops.ALL):
+        reduced, is_minus_inf = condition, condition.args[0]
+    elif ops.calls(condition, *ops.NOT) and ops.calls(condition.args[0], *ops.ANY):
+        reduced = condition.args[0]
+        if not ops.calls(reduced.args[0], *ops.NOT):
+            return False
+        is_minus_inf = reduced.args[0].args[0]
+    else:
+        return False
+    rank = tensor_val(softmax.input).dim()
+    if ops.arg(reduced, "dim") % rank != softmax.dim:
+        return False
+    if not (ops.calls(is_minus_inf, *ops.EQ) and ops.arg(is_minus_inf, "other") == float("-inf")):
+        return False
+    scores = is_minus_inf.args[0]
+    x = softmax.input
+    while x is not scores and ops.calls(x, *ops.CAST) and ops.widens(_dtype(x.args[0]), _dtype(x)):
+        x = x.args[0]  # widening keeps -inf: the test may read the scores before the upcast
+    return x is scores
 
 
 def _is_random(node, depth: int = 4) -> bool:
@@ -227,7 +484,7 @@ def _anchor_for(bmm: fx.Node) -> Optional[BatchedMatmul]:
         if matmul is not None and matmul.bmm is bmm:
             found = matmul
         users = list(node.users)
-        if len(users) != 1 or not is_op(users[0], aten.view, aten._unsafe_view, aten.reshape, aten.permute):
+        if len(users) != 1 or not ops.calls(users[0], *ops.VIEW, *ops.PERMUTE):
             return found
         node = users[0]
     return found
@@ -235,7 +492,8 @@ def _anchor_for(bmm: fx.Node) -> Optional[BatchedMatmul]:
 
 def attention_shaped(softmax: Softmax) -> bool:
     """A matmul feeds the softmax and its output feeds another matmul (whatever the softmax dim)."""
-    return _reaches_matmul(softmax.input) and isinstance(_walk_down_probs(softmax), tuple)
+    probs = _walk_down_probs(softmax)
+    return _reaches_matmul(softmax.input) and probs is not None and probs.bmm is not None
 
 
 def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
@@ -243,25 +501,26 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     probs = _walk_down_probs(softmax)
     if probs is None or not _reaches_matmul(softmax.input):
         return None
-    if isinstance(probs, str):
-        return AttentionSite("matmul_softmax", softmax.output).refuse(probs)
-    bmm, probs_chain = probs
-    pv = _anchor_for(bmm)
-    site = AttentionSite("matmul_softmax", pv.out if pv else bmm)
+    if probs.refused:
+        return AttentionSite("matmul_softmax", softmax.output).refuse_as(probs.refused)
+    pv = _anchor_for(probs.bmm)
+    site = AttentionSite("matmul_softmax", pv.out if pv else probs.bmm)
+    if softmax.refused:
+        return site.refuse_as(softmax.refused)
     if softmax.dim != tensor_val(softmax.input).dim() - 1:
-        return site.refuse("softmax_not_last_dim")
-    if pv is None or pv.lhs.source not in probs_chain or pv.lhs.dims != list(range(pv.batch_rank + 2)):
-        return site.refuse("unrecognised_layout", "P @ V")
-    scores = _walk_up_scores(softmax.input)
+        return site.refuse(Refusal.SOFTMAX_NOT_LAST_DIM)
+    if pv is None or pv.lhs.source not in probs.chain or pv.lhs.dims != list(range(pv.batch_rank + 2)):
+        return site.refuse(Refusal.UNRECOGNISED_LAYOUT, "P @ V")
+    scores = _walk_up_scores(softmax)
     if scores is None:
-        return site.refuse("unrecognised_scores")
-    if scores.refusal:
-        return site.refuse(scores.refusal, scores.detail)
+        return site.refuse(Refusal.UNRECOGNISED_SCORES)
+    if scores.refused:
+        return site.refuse_as(scores.refused)
     if scores.matmul.batch_rank != pv.batch_rank:
-        return site.refuse("unrecognised_layout", "rank")
+        return site.refuse(Refusal.UNRECOGNISED_LAYOUT, "rank")
     q_side, k_side = _peel_operand(scores.matmul.lhs), _peel_operand(scores.matmul.rhs)
     if q_side is None or k_side is None:
-        return site.refuse("unrecognised_layout", "q/k views")
+        return site.refuse(Refusal.UNRECOGNISED_LAYOUT, "q/k views")
     q, q_dims, q_factors = q_side
     k, kt_dims, k_factors = k_side
     v, v_dims = pv.rhs.source, pv.rhs.dims
@@ -272,7 +531,7 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
         "out": FLAT if pv.batch_rank == 1 else BHSD,
     }
     if None in layouts.values():
-        return site.refuse("unrecognised_layout", f"q {q_dims}, kT {kt_dims}, v {v_dims}")
+        return site.refuse(Refusal.UNRECOGNISED_LAYOUT, f"q {q_dims}, kT {kt_dims}, v {v_dims}")
     site.q, site.k, site.v, site.layouts = q, k, v, layouts
     _record_scale(site, scores.factors, q_factors, k_factors)
     site.mask = scores.masks[0] if scores.masks else None
@@ -280,7 +539,9 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     _map_repeated_kv(site)
     if _upcast(softmax):
         site.notes.append("float32 softmax")
-    return site
+    run_in_input_precision(site)
+    refused = chain_rounding_refusal(site, scores.rounded_to | probs.rounded_to)
+    return site.refuse_as(refused) if refused else site
 
 
 def _record_scale(site: AttentionSite, *factor_lists) -> None:
@@ -306,4 +567,4 @@ def _map_repeated_kv(site: AttentionSite) -> None:
 
 def _upcast(softmax: Softmax) -> bool:
     x = softmax.input
-    return is_op(x, prims.convert_element_type) and tensor_val(x.args[0]).dtype != tensor_val(x).dtype
+    return (ops.calls(x, *ops.CAST) and _dtype(x.args[0]) != _dtype(x)) or _dtype(softmax.output) != _dtype(x)

@@ -9,6 +9,7 @@ from typing import Iterator, Optional
 from torch._dynamo.utils import counters
 
 from .rewrite import mask_value_in_op_layout
+from .refusals import Refusal
 from .site import AttentionSite
 
 COUNTER_GROUP = "fa2_inductor"
@@ -18,7 +19,7 @@ COUNTER_GROUP = "fa2_inductor"
 class SiteRecord:
     description: str
     rewritten: bool
-    reason: Optional[str]
+    reason: Optional[Refusal]
     detail: str
     graph_kind: str  # "inference" or "training"
 
@@ -62,6 +63,6 @@ def record(site: AttentionSite, graph_kind: str) -> None:
         counters[COUNTER_GROUP]["rewrites"] += 1
         counters[COUNTER_GROUP]["rewrites:" + rewrite_form(site)] += 1
     else:
-        counters[COUNTER_GROUP]["refused:" + site.refusal] += 1
+        counters[COUNTER_GROUP]["refused:" + site.refusal.value] += 1
     for records in _collectors:
         records.append(SiteRecord(site.describe(), site.refusal is None, site.refusal, site.detail, graph_kind))

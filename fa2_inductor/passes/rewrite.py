@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .fx_utils import aten, insert_call, is_backward_node, is_op, tensor_val
+from .fx_utils import aten, insert_call, is_backward_node, is_op, same_shape, tensor_val
+from .refusals import Refusal
 from .site import BSHD, FLAT, AttentionSite
 
 _SWAP_HEADS_AND_SEQ = [0, 2, 1, 3]
@@ -83,7 +84,7 @@ def forward_region(site: AttentionSite) -> set:
 class BackwardRegion:
     nodes: list  # in graph order
     grad_out: fx.Node
-    grads: dict  # "q"/"k"/"v" -> the backward node holding that input's gradient
+    grads: dict  # "q"/"k"/"v" (and "mask") -> the backward node holding that input's gradient
 
 
 def _gradient_owner_keys(start: fx.Node, region: set) -> set:
@@ -114,8 +115,8 @@ def _gradient_key_matches(node: fx.Node, key: tuple) -> bool:
     return position is None or node.target is not operator.getitem or node.args[1] == position
 
 
-def backward_region(site: AttentionSite, region: set):
-    """The site's backward in a joint graph; None when there is none; a refusal reason when unusable."""
+def backward_region(site: AttentionSite, region: set) -> Optional[BackwardRegion]:
+    """The site's backward in a joint graph; None when there is none or (the site refused) when unusable."""
     seqs = {n.meta.get("seq_nr") for n in region if not is_backward_node(n)} - {None, -1}
     graph = site.anchor.graph
     tagged = [n for n in graph.nodes if is_backward_node(n) and n.meta.get("seq_nr") in seqs]
@@ -134,20 +135,60 @@ def backward_region(site: AttentionSite, region: set):
         if a not in members and a not in forward and isinstance(tensor_val(a), torch.Tensor) and _carries_gradient(a)
     }
     if len(grad_inputs) != 1:
-        return "training_backward_unrecognised"
+        site.refuse(Refusal.TRAINING_BACKWARD_UNRECOGNISED)
+        return None
     inputs = {"q": site.q, "k": site.k, "v": site.v}
     if len(set(inputs.values())) != 3:
-        return "training_shared_input"
+        site.refuse(Refusal.TRAINING_SHARED_INPUT)
+        return None
+    if _mask_gradient_mappable(site, region):
+        inputs["mask"] = site.mask
     keys = {name: _gradient_owner_keys(node, region) for name, node in inputs.items()}
-    grads = {}
+    grads, unowned = {}, []
     for node in nodes:
         if all(u in members for u in node.users):
             continue
         owners = [name for name, own in keys.items() if any(_gradient_key_matches(node, key) for key in own)]
-        if len(owners) != 1 or owners[0] in grads:
-            return "training_gradient_unmapped"
-        grads[owners[0]] = node
+        if not owners:
+            unowned.append(node)
+        elif len(owners) != 1 or owners[0] in grads:
+            site.refuse(Refusal.TRAINING_GRADIENT_UNMAPPED)
+            return None
+        else:
+            grads[owners[0]] = node
+    # A mask as large as the scores has no reduction node: its gradient is the scores' own, the one
+    # gradient left once q, k and v have theirs.
+    if unowned and not (len(unowned) == 1 and "mask" in inputs and grads.keys() == {"q", "k", "v"}
+                        and _is_full_mask_gradient(unowned[0], site)):
+        site.refuse(Refusal.TRAINING_GRADIENT_UNMAPPED)
+        return None
+    if unowned:
+        grads["mask"] = unowned[0]
     return BackwardRegion(nodes, grad_inputs.pop(), grads)
+
+
+def _mask_gradient_mappable(site: AttentionSite, region: set) -> bool:
+    """The op's mask is the graph's own mask node, added to the scores as it is (one additive mask, in its
+    own layout, not a node the matcher derived from one): the op's dmask is then its gradient, reduced
+    over broadcast dims as the graph reduces it."""
+    mask = tensor_val(site.mask) if site.mask is not None else None
+    if mask is None or site.is_causal or site.extra_masks or not mask.dtype.is_floating_point:
+        return False
+    if site.kind != "matmul_softmax":  # SDPA's backward ops differ in whether (and where) they return one
+        return False
+    if not any(user in region for user in site.mask.users):  # e.g. alpha * mask, built for the op
+        return False
+    return not (site.layouts["q"] == FLAT and mask.dim() == 3)
+
+
+def _is_full_mask_gradient(node: fx.Node, site: AttentionSite) -> bool:
+    """``node`` has the shape and dtype of a mask that covers every [B, Hq, Sq, Sk] score."""
+    q = value_in_op_layout(tensor_val(site.q), site.layouts["q"])
+    k = value_in_op_layout(tensor_val(site.k), site.layouts["k"])
+    scores = [q.shape[0], q.shape[1], q.shape[2], k.shape[2]]
+    value, mask = tensor_val(node), tensor_val(site.mask)
+    return (value is not None and value.dtype == mask.dtype and same_shape(mask.shape, scores)
+            and same_shape(value.shape, scores))
 
 
 def _with_untagged_links(graph: fx.Graph, nodes: list, region: set) -> set:
@@ -228,10 +269,13 @@ def _rewrite_backward(site: AttentionSite, backward: BackwardRegion, saved: tupl
     start = max((backward.grad_out, lse), key=order.__getitem__)
     with graph.inserting_before(start.next):
         grad_out = to_op_layout(graph, backward.grad_out, site.layouts["out"])
+        mask_grad = "mask" in backward.grads
         bwd = insert_call(graph, torch.ops.fa2_inductor.flash_attention_bwd.default,
-                          (grad_out, q, k, v, out, lse, mask, site.scale, site.is_causal, False, site.window_left))
+                          (grad_out, q, k, v, out, lse, mask, site.scale, site.is_causal, mask_grad, site.window_left))
         grads = {name: insert_call(graph, operator.getitem, (bwd, i)) for i, name in enumerate("qkv")}
         grads = {name: from_op_layout(graph, g, site.layouts[name]) for name, g in grads.items()}
+        if mask_grad:  # reduced to the mask's own shape by the op
+            grads["mask"] = insert_call(graph, operator.getitem, (bwd, 3))
         for factor, divide in site.symbolic_scale:  # q was scaled before the op: chain rule
             grads["q"] = insert_call(graph, aten.div.Tensor if divide else aten.mul.Tensor, (grads["q"], factor))
     _tag_new_nodes(graph, existing, backward=True)

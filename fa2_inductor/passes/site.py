@@ -8,6 +8,7 @@ from typing import Optional, Union
 import torch.fx as fx
 
 from ..reference import EmptyRows
+from .refusals import Refusal, Refused
 
 # Layouts of q/k/v/out relative to the op's [B, H, S, D]:
 #   "bhsd" as the op takes it; "bshd" needs a transpose of dims 1 and 2;
@@ -37,13 +38,18 @@ class AttentionSite:
     n_rep: int = 1  # K/V heads repeated in the graph and mapped back to native GQA
     forward_nodes: set = field(default_factory=set)  # the nodes the rewrite makes dead
     notes: list = field(default_factory=list)  # what the matcher recognised, for the report
-    refusal: Optional[str] = None
+    refusal: Optional[Refusal] = None
     detail: str = ""
 
-    def refuse(self, reason: str, detail: str = "") -> "AttentionSite":
+    def refuse(self, reason: Refusal, detail: str = "") -> "AttentionSite":
+        if not isinstance(reason, Refusal):
+            raise TypeError(f"a refusal reason must be a Refusal, got {reason!r}")
         self.refusal = reason
         self.detail = detail
         return self
+
+    def refuse_as(self, refused: Refused) -> "AttentionSite":
+        return self.refuse(refused.reason, refused.detail)
 
     def describe(self) -> str:
         parts = [self.kind] + self.notes

@@ -10,6 +10,7 @@ import torch
 
 from .. import _cuda, config, ops
 from .fx_utils import same_shape, tensor_val
+from .refusals import Refusal, Refused
 from .rewrite import mask_value_in_op_layout, value_in_op_layout
 from .site import AttentionSite
 
@@ -62,12 +63,12 @@ def _kernel_reason(call: OpCall) -> Optional[str]:
     return _cuda.kernel_unsupported_reason(q, k, v, mask, call.is_causal, call.window_left)
 
 
-def _cpu_refusal(call: OpCall) -> Optional[tuple[str, str]]:
+def _cpu_refusal(call: OpCall) -> Optional[Refused]:
     """CPU graphs run the op's reference: only where the user asked for it (tests, demos)."""
-    return None if config.rewrite_on_cpu else ("cpu_device", "set fa2_inductor.config.rewrite_on_cpu")
+    return None if config.rewrite_on_cpu else Refused(Refusal.CPU_DEVICE, "set fa2_inductor.config.rewrite_on_cpu")
 
 
-def _cuda_refusal(call: OpCall) -> Optional[tuple[str, str]]:
+def _cuda_refusal(call: OpCall) -> Optional[Refused]:
     """CUDA graphs: the kernel must run the call, and be at least as fast as Inductor there.
 
     A symbolic Sq is judged by its example value, so a graph traced at prefill length and later run with
@@ -75,18 +76,17 @@ def _cuda_refusal(call: OpCall) -> Optional[tuple[str, str]]:
     """
     reason = _kernel_reason(call)
     if reason is not None:
-        return "kernel_unsupported", reason
+        return Refused(Refusal.KERNEL_UNSUPPORTED, reason)
     seq_q, seq_k = _hint(call.q.shape[-2]), _hint(call.k.shape[-2])
     if seq_q <= DECODE_MAX_QUERY_ROWS:
-        return "decode_step", (f"Sq={seq_q} query rows: the kernel's 128-row tile and no split-KV make it "
-                               "slower than Inductor here")
+        return Refused(Refusal.DECODE_STEP, f"Sq={seq_q} query rows: the kernel's 128-row tile and no split-KV "
+                                            "make it slower than Inductor here")
     min_keys = MIN_KEYS if call.mask is None else MIN_KEYS_WITH_MASK
     if seq_k < min_keys:
-        return "short_sequence", (f"Sk={seq_k} keys{' with a mask' if call.mask is not None else ''}: below "
-                                  f"{min_keys} the op's fixed cost per call makes it slower than Inductor")
+        return Refused(Refusal.SHORT_SEQUENCE, f"Sk={seq_k} keys{' with a mask' if call.mask is not None else ''}: "
+                                               f"below {min_keys} the op's fixed cost per call makes it slower")
     if call.mask is not None and call.mask.dtype != torch.bool:
-        return "dense_additive_mask", ("an additive mask with no proven structure is read per score; the "
-                                       "kernel is slower than Inductor's attention there")
+        return Refused(Refusal.DENSE_ADDITIVE_MASK, "an additive mask with no proven structure is read per score")
     return None
 
 
@@ -94,11 +94,11 @@ def _cuda_refusal(call: OpCall) -> Optional[tuple[str, str]]:
 _DEVICE_RULES = {"cpu": _cpu_refusal, "cuda": _cuda_refusal}
 
 
-def _cuda_backward_refusal(call: OpCall) -> Optional[tuple[str, str]]:
-    """Training graphs on CUDA: the op's backward must run PyTorch's flash backward too; its other path,
-    the reference, would make the training step slower than Inductor's own attention backward."""
+def _cuda_backward_refusal(call: OpCall) -> Optional[Refused]:
+    """Training graphs on CUDA: the op's backward must run a fast kernel (ours, or PyTorch's flash backward);
+    its other path, the reference, would make the training step slower than Inductor's own attention backward."""
     reason = _cuda.backward_unsupported_reason(call.q, call.k, call.v, call.mask, call.is_causal, call.window_left)
-    return None if reason is None else ("backward_unsupported", reason)
+    return None if reason is None else Refused(Refusal.BACKWARD_UNSUPPORTED, reason)
 
 
 # The rules each device type adds for training graphs (CPU: the reference both ways, by request).
@@ -111,31 +111,31 @@ def _op_call(site: AttentionSite) -> OpCall:
     return OpCall(q, k, v, mask_value_in_op_layout(site), site.is_causal, site.window_left)
 
 
-def backward_refusal_reason(site: AttentionSite) -> Optional[tuple[str, str]]:
-    """(reason, detail) when a site of a training graph must stay because the op's backward is slow there."""
+def backward_refusal_reason(site: AttentionSite) -> Optional[Refused]:
+    """The refusal when a site of a training graph must stay because the op's backward is slow there."""
     call = _op_call(site)
     rules = _BACKWARD_RULES.get(call.q.device.type)
     return None if rules is None else rules(call)
 
 
-def refusal_reason(site: AttentionSite) -> Optional[tuple[str, str]]:
-    """(reason, detail) when the site must stay as it is; None when the op takes it."""
+def refusal_reason(site: AttentionSite) -> Optional[Refused]:
+    """The refusal when the site must stay as it is; None when the op takes it."""
     call = _op_call(site)
     q, k, v, mask = call.q, call.k, call.v, call.mask
     if q.dtype not in _OP_DTYPES:
-        return "dtype", str(q.dtype)
+        return Refused(Refusal.DTYPE, str(q.dtype))
     if mask is not None and mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-        return "mask_dtype", str(mask.dtype)
+        return Refused(Refusal.MASK_DTYPE, str(mask.dtype))
     try:
         ops.check_inputs(q, k, v, mask, call.is_causal, call.window_left)
     except ValueError as error:
-        return "not_computable", str(error)
+        return Refused(Refusal.NOT_COMPUTABLE, str(error))
     out = value_in_op_layout(tensor_val(site.anchor), site.layouts["out"])
     if out.dtype != q.dtype:
-        return "output_dtype", f"{out.dtype} output from {q.dtype} inputs"
+        return Refused(Refusal.OUTPUT_DTYPE, f"{out.dtype} output from {q.dtype} inputs")
     if not same_shape(out.shape, [*q.shape[:-1], v.shape[-1]]):  # e.g. a mask that broadcast the scores to a larger shape
-        return "output_shape", f"{tuple(out.shape)}"
+        return Refused(Refusal.OUTPUT_SHAPE, f"{tuple(out.shape)}")
     rules = _DEVICE_RULES.get(q.device.type)
     if rules is None:
-        return "device", q.device.type
+        return Refused(Refusal.DEVICE, q.device.type)
     return rules(call)

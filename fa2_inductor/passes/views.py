@@ -13,18 +13,16 @@ from typing import Optional
 
 import torch.fx as fx
 
-from .fx_utils import aten, is_op, prims, same_shape, same_size, tensor_val
-
-# Ops that return their input's values unchanged (layout or aliasing only).
-_IDENTITY_OPS = (aten.clone, aten.alias, aten.contiguous, aten.detach, aten.lift_fresh_copy)
+from . import op_table as ops
+from .fx_utils import forward_users, same_shape, same_size, tensor_val
 
 
 def _is_identity(node: fx.Node) -> bool:
-    if is_op(node, *_IDENTITY_OPS):
+    if ops.calls(node, *ops.IDENTITY):
         return True
-    if is_op(node, prims.convert_element_type):
-        return tensor_val(node.args[0]).dtype == node.args[1]
-    if is_op(node, aten.expand, aten.view, aten._unsafe_view, aten.reshape):
+    if ops.calls(node, *ops.CAST):
+        return tensor_val(node.args[0]).dtype == ops.arg(node, "dtype")
+    if ops.calls(node, *ops.EXPAND, *ops.VIEW):
         return same_shape(tensor_val(node.args[0]).shape, tensor_val(node).shape)
     return False
 
@@ -35,31 +33,47 @@ def _non_unit(shape) -> list[int]:
 
 def _is_unit_view(node: fx.Node) -> bool:
     """A view that only inserts or removes size-1 dims."""
-    if not is_op(node, aten.view, aten._unsafe_view, aten.reshape, aten.squeeze):
+    if not ops.calls(node, *ops.VIEW, *ops.SQUEEZE):
         return False
     src, dst = tensor_val(node.args[0]).shape, tensor_val(node).shape
     a, b = [src[i] for i in _non_unit(src)], [dst[i] for i in _non_unit(dst)]
     return same_shape(a, b)
 
 
-def strip_views(node: fx.Node, unit_views: bool = True) -> tuple[fx.Node, list[Optional[int]]]:
+def undoes_a_view(node: fx.Node) -> bool:
+    """``view(view(x, s), x.shape)``: x's own values (functionalised in-place ops on a view leave these)."""
+    if not (ops.calls(node, *ops.VIEW) and ops.calls(node.args[0], *ops.VIEW)):
+        return False
+    return same_shape(tensor_val(node.args[0].args[0]).shape, tensor_val(node).shape)
+
+
+def strip_views(node: fx.Node, unit_views: bool = True, keep_shared: bool = False) -> tuple[fx.Node, list[Optional[int]]]:
     """(source, dims): ``node`` shows ``source`` through permutes and (if ``unit_views``) size-1 dims.
 
     ``dims[i]`` is the source dim that ``node``'s dim i shows, or None for an inserted size-1 dim.
+    With ``keep_shared``, a view that other ops read too is the source (its gradient is not only ours).
     """
     if not isinstance(node, fx.Node) or tensor_val(node) is None:
         return node, []
+
+    def through(view_input: fx.Node):
+        if keep_shared and len(forward_users(view_input)) > 1:
+            return view_input, list(range(tensor_val(view_input).dim()))
+        return strip_views(view_input, unit_views, keep_shared)
+
     if _is_identity(node):
-        return strip_views(node.args[0], unit_views)
-    if is_op(node, aten.permute):
-        source, dims = strip_views(node.args[0], unit_views)
-        return source, [dims[i] for i in node.args[1]]
-    if is_op(node, aten.unsqueeze) and unit_views:
-        source, dims = strip_views(node.args[0], unit_views)
-        at = node.args[1] % (len(dims) + 1)
+        return through(node.args[0])
+    if undoes_a_view(node):
+        return through(node.args[0].args[0])
+    if ops.calls(node, *ops.PERMUTE):
+        source, dims = through(node.args[0])
+        return source, [dims[i] for i in ops.arg(node, "dims")]
+    if ops.calls(node, *ops.UNSQUEEZE) and unit_views:
+        source, dims = through(node.args[0])
+        at = ops.arg(node, "dim") % (len(dims) + 1)
         return source, dims[:at] + [None] + dims[at:]
     if unit_views and _is_unit_view(node):
-        source, dims = strip_views(node.args[0], unit_views)
+        source, dims = through(node.args[0])
         src_shape = tensor_val(node.args[0]).shape
         kept = iter([dims[i] for i in _non_unit(src_shape)])
         return source, [None if same_size(s, 1) else next(kept) for s in tensor_val(node).shape]
@@ -75,7 +89,7 @@ def _merged_batch_source(node: fx.Node, rank: int) -> Optional[tuple[fx.Node, li
 
     ``kept`` lists the source dims forming (batch..., M, K); other source dims have size 1.
     """
-    if not is_op(node, aten.view, aten._unsafe_view, aten.reshape):
+    if not ops.calls(node, *ops.VIEW):
         return None
     source = node.args[0]
     src, dst = tensor_val(source).shape, tensor_val(node).shape
@@ -121,7 +135,7 @@ def _operand(bmm_arg: fx.Node, rank: int) -> Optional[Operand]:
     # Through size-1 views first (einsum); without them when that leaves a tensor of another rank
     # (e.g. MQA's [B, 1, G, S, D] -> [B, G, S, D] repeat, which must stay the operand).
     for unit_views in (True, False):
-        source, source_dims = strip_views(node, unit_views)
+        source, source_dims = strip_views(node, unit_views, keep_shared=True)
         dims = [source_dims[i] for i in kept]
         if None not in dims and len(set(dims)) == rank and tensor_val(source).dim() == rank:
             return Operand(source, dims)
@@ -154,11 +168,11 @@ def batched_matmul(node: fx.Node) -> Optional[BatchedMatmul]:
 def _batched_matmul(node: fx.Node, unit_views: bool) -> Optional[BatchedMatmul]:
     source, dims = strip_views(node, unit_views)
     rank = tensor_val(node).dim()
-    if is_op(source, aten.bmm) and rank > 3 and dims == [None] * (rank - 3) + [0, 1, 2]:
+    if ops.calls(source, *ops.BMM) and rank > 3 and dims == [None] * (rank - 3) + [0, 1, 2]:
         bmm = source  # a batch of 1 x H: the split of N into batch dims is a unit view
-    elif is_op(source, aten.bmm):
+    elif ops.calls(source, *ops.BMM):
         bmm, rank = source, 3
-    elif is_op(source, aten.view, aten._unsafe_view, aten.reshape) and is_op(source.args[0], aten.bmm):
+    elif ops.calls(source, *ops.VIEW) and ops.calls(source.args[0], *ops.BMM):
         bmm = source.args[0]
         shape, bmm_shape = tensor_val(source).shape, tensor_val(bmm).shape
         kept = _split_dims(shape, bmm_shape)
@@ -181,17 +195,17 @@ def repeated_heads(node: fx.Node) -> Optional[tuple[fx.Node, int]]:
     That is HF's repeat_kv (expand + reshape) and ``repeat_interleave(n_rep, dim=1)``, both of which
     map query head h to kv head h // n_rep, as the op's native GQA does.
     """
-    if not is_op(node, aten.view, aten._unsafe_view, aten.reshape):
+    if not ops.calls(node, *ops.VIEW):
         return None
     expanded = node.args[0]
-    while is_op(expanded, aten.clone):
+    while ops.calls(expanded, *ops.CLONE):
         expanded = expanded.args[0]
-    if not is_op(expanded, aten.expand) or not is_op(expanded.args[0], aten.unsqueeze):
+    if not ops.calls(expanded, *ops.EXPAND) or not ops.calls(expanded.args[0], *ops.UNSQUEEZE):
         return None
     unsqueezed = expanded.args[0]
     kv = unsqueezed.args[0]
     kv_shape, big = tensor_val(kv).shape, tensor_val(expanded).shape
-    if len(kv_shape) != 4 or unsqueezed.args[1] % 5 != 2 or len(big) != 5:
+    if len(kv_shape) != 4 or ops.arg(unsqueezed, "dim") % 5 != 2 or len(big) != 5:
         return None
     n_rep = big[2]
     out_shape = tensor_val(node).shape
