@@ -11,6 +11,7 @@ initialises CUDA.
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from typing import Optional
 
@@ -129,6 +130,8 @@ def backward_kernel_unsupported_reason(
     mask together with is_causal."""
     if not hasattr(_extension.C, "bwd"):
         return "kernel built without the backward"
+    if os.environ.get("FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL", "0") == "1":
+        return "backward kernel disabled (FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL=1)"
     if window_left != -1:
         return "window_left (the backward kernel has no window)"
     if attn_mask is not None and is_causal:
