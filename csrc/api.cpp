@@ -28,12 +28,36 @@
 #include <limits>
 #include <map>
 #include <optional>
-#include <sstream>
+#include <type_traits>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "fa2/params.h"
+
+// Error messages and reasons are joined with std::string and std::to_string, never through an ostringstream
+// (c10::str, or TORCH_CHECK's own message formatting with several arguments): on the H200 machine this was
+// built for, formatting a stream inside this module crashed the process (a segfault on every such message,
+// while plain string joins worked). FA2_CHECK* hand TORCH_CHECK* one finished std::string.
+namespace fa2_message {
+inline void add(std::string& out, const char* part) { out += part; }
+inline void add(std::string& out, const std::string& part) { out += part; }
+inline void add(std::string& out, at::ScalarType part) { out += c10::toString(part); }
+inline void add(std::string& out, const c10::Device& part) { out += part.str(); }
+template <class T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool>, int> = 0>
+void add(std::string& out, T part) { out += std::to_string(part); }
+inline void add(std::string& out, bool part) { out += part ? "True" : "False"; }
+inline void add(std::string& out, double part) { out += std::to_string(part); }
+}  // namespace fa2_message
+
+template <class... Parts>
+std::string join(const Parts&... parts) {
+  std::string out;
+  (fa2_message::add(out, parts), ...);
+  return out;
+}
+#define FA2_CHECK(cond, ...) TORCH_CHECK(cond, join(__VA_ARGS__))
+#define FA2_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, join(__VA_ARGS__))
 
 namespace {
 
@@ -94,11 +118,11 @@ bool additive_mask_with_causal() {
 // ---------------------------------------------------------------------------------------------- launches
 
 void check_operand(const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK(t.is_cuda(), "fa2_inductor._C.fwd: ", name, " must be a CUDA tensor");
-  TORCH_CHECK(t.device() == q.device(), "fa2_inductor._C.fwd: ", name, " is on another device than q");
-  TORCH_CHECK(t.dim() == 4, "fa2_inductor._C.fwd: ", name, " must be 4-D");
-  TORCH_CHECK(t.stride(3) == 1 || t.size(3) == 1, "fa2_inductor._C.fwd: ", name, " must have a contiguous last dim");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+  FA2_CHECK(t.is_cuda(), "fa2_inductor._C.fwd: ", name, " must be a CUDA tensor");
+  FA2_CHECK(t.device() == q.device(), "fa2_inductor._C.fwd: ", name, " is on another device than q");
+  FA2_CHECK(t.dim() == 4, "fa2_inductor._C.fwd: ", name, " must be 4-D");
+  FA2_CHECK(t.stride(3) == 1 || t.size(3) == 1, "fa2_inductor._C.fwd: ", name, " must have a contiguous last dim");
+  FA2_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
               "fa2_inductor._C.fwd: ", name, " must be 16-byte aligned");
 }
 
@@ -107,7 +131,7 @@ void check_operand(const at::Tensor& t, const char* name, const at::Tensor& q) {
 int64_t tma_stride(const at::Tensor& t, int dim, const char* name) {
   if (t.size(dim) <= 1) return 8;
   const int64_t s = t.stride(dim);
-  TORCH_CHECK(s > 0 && s % fa2::kStrideAlignElements == 0, "fa2_inductor._C.fwd: ", name, " stride ", s, " of dim ",
+  FA2_CHECK(s > 0 && s % fa2::kStrideAlignElements == 0, "fa2_inductor._C.fwd: ", name, " stride ", s, " of dim ",
               dim, " must be a positive multiple of ", fa2::kStrideAlignElements, " elements (16 bytes)");
   return s;
 }
@@ -119,24 +143,24 @@ fa2::FwdParams describe_call(const char* fn, const at::Tensor& q, const at::Tens
   check_operand(k, "k", q);
   check_operand(v, "v", q);
   check_operand(out, "out", q);
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+  FA2_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
                   q.scalar_type() == out.scalar_type(),
               fn, ": q, k, v, out must share a dtype");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, fn,
+  FA2_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, fn,
               ": dtype must be bfloat16 or float16, got ", q.scalar_type());
   const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Sk = k.size(2);
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == Sk &&
+  FA2_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == Sk &&
                   k.size(3) == D && v.size(3) == D,
               fn, ": k/v shapes do not match q");
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, fn, ": Hq must be a multiple of Hkv");
-  TORCH_CHECK(out.sizes() == q.sizes(), fn, ": out must have q's shape");
-  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
+  FA2_CHECK(Hkv > 0 && Hq % Hkv == 0, fn, ": Hq must be a multiple of Hkv");
+  FA2_CHECK(out.sizes() == q.sizes(), fn, ": out must have q's shape");
+  FA2_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
                   lse.dim() == 3 && lse.size(0) == B && lse.size(1) == Hq && lse.size(2) == Sq &&
                   (lse.stride(2) == 1 || Sq <= 1),
               fn, ": lse must be float32 [B, Hq, Sq] with unit row stride");
-  TORCH_CHECK(B <= fa2::kMaxGridDim && Hq <= fa2::kMaxGridDim, fn, ": batch and heads must be <= ", fa2::kMaxGridDim);
-  TORCH_CHECK(Sq <= kMaxSeqLen && Sk <= kMaxSeqLen, fn, ": sequence too long");
+  FA2_CHECK(B <= fa2::kMaxGridDim && Hq <= fa2::kMaxGridDim, fn, ": batch and heads must be <= ", fa2::kMaxGridDim);
+  FA2_CHECK(Sq <= kMaxSeqLen && Sk <= kMaxSeqLen, fn, ": sequence too long");
 
   fa2::FwdParams p;
   p.q = q.data_ptr();
@@ -171,19 +195,19 @@ fa2::FwdParams describe_call(const char* fn, const at::Tensor& q, const at::Tens
 const KernelEntry& kernel_for(const char* fn, const at::Tensor& q) {
   const fa2::DType dtype = q.scalar_type() == at::kBFloat16 ? fa2::DType::kBF16 : fa2::DType::kFP16;
   const KernelEntry* entry = find_kernel(q.size(3), dtype);
-  TORCH_CHECK(entry != nullptr, fn, ": no kernel compiled for head dim ", q.size(3), " and dtype ", q.scalar_type());
+  FA2_CHECK(entry != nullptr, fn, ": no kernel compiled for head dim ", q.size(3), " and dtype ", q.scalar_type());
   return *entry;
 }
 
 // window_left: -1 (none) or, with is_causal, the number of keys before the diagonal a query still sees.
 int check_window(const char* fn, bool is_causal, int64_t window_left) {
-  TORCH_CHECK(window_left == -1 || (is_causal && window_left >= 0 && window_left <= kMaxSeqLen), fn,
+  FA2_CHECK(window_left == -1 || (is_causal && window_left >= 0 && window_left <= kMaxSeqLen), fn,
               ": window_left must be -1, or a non-negative key count together with is_causal, got ", window_left);
   return int(window_left);
 }
 
 void check_launch(const char* fn, cudaError_t err) {
-  TORCH_CHECK(err == cudaSuccess, fn, ": kernel launch failed: ", cudaGetErrorString(err));
+  FA2_CHECK(err == cudaSuccess, fn, ": kernel launch failed: ", cudaGetErrorString(err));
 }
 
 // rows_filter (optional, float32 with lse's shape and strides): only query tiles holding a row that is
@@ -196,7 +220,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   p.window_left = check_window(fn, is_causal, window_left);
   if (rows_filter.has_value()) {
     const at::Tensor& f = *rows_filter;
-    TORCH_CHECK(f.device() == lse.device() && f.scalar_type() == at::kFloat && f.sizes() == lse.sizes() &&
+    FA2_CHECK(f.device() == lse.device() && f.scalar_type() == at::kFloat && f.sizes() == lse.sizes() &&
                     f.strides() == lse.strides(),
                 fn, ": rows_filter must be float32 with lse's shape and strides");
     p.rows_filter = f.data_ptr<float>();
@@ -218,24 +242,24 @@ void fwd_masked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
   p.causal = is_causal;
   p.window_left = check_window(fn, is_causal, window_left);
   const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), Sk = k.size(2);
-  TORCH_CHECK(Sk > 0, fn, ": needs at least one key");
-  TORCH_CHECK(scale > 0, fn, ": scale must be positive");
-  TORCH_CHECK(mask.is_cuda() && mask.device() == q.device(), fn, ": mask must be on q's device");
-  TORCH_CHECK(mask.dim() == 4 && mask.size(0) == B && mask.size(1) == Hq && mask.size(2) == Sq && mask.size(3) == Sk,
+  FA2_CHECK(Sk > 0, fn, ": needs at least one key");
+  FA2_CHECK(scale > 0, fn, ": scale must be positive");
+  FA2_CHECK(mask.is_cuda() && mask.device() == q.device(), fn, ": mask must be on q's device");
+  FA2_CHECK(mask.dim() == 4 && mask.size(0) == B && mask.size(1) == Hq && mask.size(2) == Sq && mask.size(3) == Sk,
               fn, ": mask must be expanded to [B, Hq, Sq, Sk]");
-  for (int d = 0; d < 4; ++d) TORCH_CHECK(mask.stride(d) >= 0, fn, ": mask strides must be non-negative");
+  for (int d = 0; d < 4; ++d) FA2_CHECK(mask.stride(d) >= 0, fn, ": mask strides must be non-negative");
   int kind;
   switch (mask.scalar_type()) {
     case at::kBool: p.mask_dtype = fa2::MaskDType::kBool; kind = 0; break;
     case at::kFloat: p.mask_dtype = fa2::MaskDType::kF32; kind = 1; break;
     case at::kBFloat16: p.mask_dtype = fa2::MaskDType::kBF16; kind = 1; break;
     case at::kHalf: p.mask_dtype = fa2::MaskDType::kF16; kind = 1; break;
-    default: TORCH_CHECK(false, fn, ": mask dtype must be bool, float32, bfloat16 or float16, got ", mask.scalar_type());
+    default: FA2_CHECK(false, fn, ": mask dtype must be bool, float32, bfloat16 or float16, got ", mask.scalar_type());
   }
   static_assert(sizeof(bool) == 1, "bool masks are read as bytes");
   const KernelEntry& entry = kernel_for(fn, q);
   const RunFn run = entry.run_masked[kind][is_causal ? 1 : 0];
-  TORCH_CHECK(run != nullptr, fn, ": no kernel compiled for ", mask.scalar_type(), " masks with is_causal");
+  FA2_CHECK(run != nullptr, fn, ": no kernel compiled for ", mask.scalar_type(), " masks with is_causal");
   if (B == 0 || Hq == 0 || Sq == 0) return;
 
   c10::cuda::CUDAGuard guard(q.device());
@@ -248,7 +272,7 @@ void fwd_masked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
   const int64_t class_batches = p.mask_batch_stride == 0 ? 1 : B;
   const int64_t class_heads = p.mask_head_stride == 0 ? 1 : Hq;
   const int64_t class_m_blocks = p.mask_row_stride == 0 ? 1 : (Sq + fa2::kMaskBlockM - 1) / fa2::kMaskBlockM;
-  TORCH_CHECK(class_batches * class_heads <= fa2::kMaxGridDim && class_m_blocks <= fa2::kMaxGridDim, fn,
+  FA2_CHECK(class_batches * class_heads <= fa2::kMaxGridDim && class_m_blocks <= fa2::kMaxGridDim, fn,
               ": mask too large for the block classification grid");
   at::Tensor workspace = at::empty({entry.masked_workspace[kind](p)}, q.options().dtype(at::kByte));
   p.mask_workspace = workspace.data_ptr();
@@ -262,15 +286,15 @@ void fill_empty_rows(at::Tensor& out, const at::Tensor& lse, const at::Tensor& v
   constexpr const char* fn = "fa2_inductor._C.fill_empty_rows";
   check_operand(out, "out", out);
   check_operand(v, "v", out);
-  TORCH_CHECK(out.scalar_type() == v.scalar_type() && (v.scalar_type() == at::kBFloat16 || v.scalar_type() == at::kHalf),
+  FA2_CHECK(out.scalar_type() == v.scalar_type() && (v.scalar_type() == at::kBFloat16 || v.scalar_type() == at::kHalf),
               fn, ": out and v must share a dtype, bfloat16 or float16");
   const int64_t B = out.size(0), Hq = out.size(1), Sq = out.size(2), D = out.size(3);
-  TORCH_CHECK(v.size(0) == B && v.size(3) == D && v.size(1) > 0 && Hq % v.size(1) == 0, fn, ": v does not match out");
-  TORCH_CHECK(D <= fa2::kMaxHeadDim, fn, ": head dim above ", fa2::kMaxHeadDim);
-  TORCH_CHECK(lse.is_cuda() && lse.device() == out.device() && lse.scalar_type() == at::kFloat && lse.dim() == 3 &&
+  FA2_CHECK(v.size(0) == B && v.size(3) == D && v.size(1) > 0 && Hq % v.size(1) == 0, fn, ": v does not match out");
+  FA2_CHECK(D <= fa2::kMaxHeadDim, fn, ": head dim above ", fa2::kMaxHeadDim);
+  FA2_CHECK(lse.is_cuda() && lse.device() == out.device() && lse.scalar_type() == at::kFloat && lse.dim() == 3 &&
                   lse.size(0) == B && lse.size(1) == Hq && lse.size(2) == Sq && (lse.stride(2) == 1 || Sq <= 1),
               fn, ": lse must be float32 [B, Hq, Sq] with unit row stride");
-  TORCH_CHECK(B <= fa2::kMaxGridDim && Hq <= fa2::kMaxGridDim, fn, ": batch and heads must be <= ", fa2::kMaxGridDim);
+  FA2_CHECK(B <= fa2::kMaxGridDim && Hq <= fa2::kMaxGridDim, fn, ": batch and heads must be <= ", fa2::kMaxGridDim);
   fa2::EmptyRowsParams p;
   p.o = out.data_ptr();
   p.lse = lse.data_ptr<float>();
@@ -291,7 +315,7 @@ void fill_empty_rows(at::Tensor& out, const at::Tensor& lse, const at::Tensor& v
   p.v_row_stride = v.stride(2);
   if (source.has_value()) {
     const at::Tensor& src = *source;
-    TORCH_CHECK(src.device() == out.device() && src.scalar_type() == out.scalar_type() && src.sizes() == out.sizes() &&
+    FA2_CHECK(src.device() == out.device() && src.scalar_type() == out.scalar_type() && src.sizes() == out.sizes() &&
                     src.stride(3) == 1,
                 fn, ": source must match out (shape, dtype, device, contiguous last dim)");
     p.source = src.data_ptr();
@@ -311,12 +335,10 @@ void fill_empty_rows(at::Tensor& out, const at::Tensor& lse, const at::Tensor& v
 std::string py_dtype(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
 
 std::string py_sequence(c10::IntArrayRef sizes, const char* open, const char* close, bool tuple) {
-  std::ostringstream s;
-  s << open;
-  for (size_t i = 0; i < sizes.size(); ++i) s << (i ? ", " : "") << sizes[i];
-  if (tuple && sizes.size() == 1) s << ",";
-  s << close;
-  return s.str();
+  std::string s = open;
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  if (tuple && sizes.size() == 1) s += ",";
+  return s + close;
 }
 std::string py_tuple(c10::IntArrayRef sizes) { return py_sequence(sizes, "(", ")", true); }
 std::string py_list(c10::IntArrayRef sizes) { return py_sequence(sizes, "[", "]", false); }
@@ -330,52 +352,52 @@ constexpr int64_t kEmptyRowsCount = 3;
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
                   bool is_causal, int64_t window_left, int64_t empty_rows) {
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"k", &k}, {"v", &v}}) {
-    TORCH_CHECK_VALUE(t->dim() == 4, "flash_attention: ", name, " must be 4-D [batch, heads, seq, head_dim], got shape ",
+    FA2_CHECK_VALUE(t->dim() == 4, "flash_attention: ", name, " must be 4-D [batch, heads, seq, head_dim], got shape ",
                       py_tuple(t->sizes()));
   }
   const at::ScalarType dtype = q.scalar_type();
-  TORCH_CHECK_VALUE(dtype == k.scalar_type() && dtype == v.scalar_type(), "flash_attention: q, k, v must share a dtype, got ",
+  FA2_CHECK_VALUE(dtype == k.scalar_type() && dtype == v.scalar_type(), "flash_attention: q, k, v must share a dtype, got ",
                     py_dtype(dtype), ", ", py_dtype(k.scalar_type()), ", ", py_dtype(v.scalar_type()));
-  TORCH_CHECK_VALUE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble,
+  FA2_CHECK_VALUE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble,
                     "flash_attention: unsupported dtype ", py_dtype(dtype), "; use float16, bfloat16 or float32");
-  TORCH_CHECK_VALUE(dtype != at::kDouble || q.device().is_cpu(),
+  FA2_CHECK_VALUE(dtype != at::kDouble || q.device().is_cpu(),
                     "flash_attention: float64 runs only on CPU (the reference path); use float32, float16 or bfloat16");
-  TORCH_CHECK_VALUE(q.device() == k.device() && k.device() == v.device(), "flash_attention: q, k, v must be on one device, got ",
+  FA2_CHECK_VALUE(q.device() == k.device() && k.device() == v.device(), "flash_attention: q, k, v must be on one device, got ",
                     q.device(), ", ", k.device(), ", ", v.device());
   const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), d = q.size(3);
-  TORCH_CHECK_VALUE(k.size(0) == b && v.size(0) == b, "flash_attention: batch sizes differ: q ", b, ", k ", k.size(0),
+  FA2_CHECK_VALUE(k.size(0) == b && v.size(0) == b, "flash_attention: batch sizes differ: q ", b, ", k ", k.size(0),
                     ", v ", v.size(0));
-  TORCH_CHECK_VALUE(k.size(3) == d && v.size(3) == d, "flash_attention: head dims differ: q ", d, ", k ", k.size(3), ", v ",
+  FA2_CHECK_VALUE(k.size(3) == d && v.size(3) == d, "flash_attention: head dims differ: q ", d, ", k ", k.size(3), ", v ",
                     v.size(3));
-  TORCH_CHECK_VALUE(d <= fa2::kMaxHeadDim, "flash_attention: head_dim ", d, " is larger than the supported ",
+  FA2_CHECK_VALUE(d <= fa2::kMaxHeadDim, "flash_attention: head_dim ", d, " is larger than the supported ",
                     fa2::kMaxHeadDim);
-  TORCH_CHECK_VALUE(d != 0, "flash_attention: head_dim is 0");
-  TORCH_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2), "flash_attention: k ", py_tuple(k.sizes()),
+  FA2_CHECK_VALUE(d != 0, "flash_attention: head_dim is 0");
+  FA2_CHECK_VALUE(k.size(1) == v.size(1) && k.size(2) == v.size(2), "flash_attention: k ", py_tuple(k.sizes()),
                     " and v ", py_tuple(v.sizes()), " must have the same heads and length");
   const int64_t hkv = k.size(1);
-  TORCH_CHECK_VALUE(hkv != 0 && hq % hkv == 0, "flash_attention: query heads (", hq,
+  FA2_CHECK_VALUE(hkv != 0 && hq % hkv == 0, "flash_attention: query heads (", hq,
                     ") must be a multiple of key/value heads (", hkv, ")");
-  TORCH_CHECK_VALUE(window_left == -1 || (is_causal && window_left >= 0),
+  FA2_CHECK_VALUE(window_left == -1 || (is_causal && window_left >= 0),
                     "flash_attention: window_left must be -1 or, with is_causal=True, >= 0; got ", window_left);
   if (empty_rows < 0 || empty_rows >= kEmptyRowsCount) {
     std::vector<int64_t> policies;
     for (int64_t i = 0; i < kEmptyRowsCount; ++i) policies.push_back(i);
-    TORCH_CHECK_VALUE(false, "flash_attention: empty_rows must be one of ", py_list(policies), " (EmptyRows), got ",
+    FA2_CHECK_VALUE(false, "flash_attention: empty_rows must be one of ", py_list(policies), " (EmptyRows), got ",
                       empty_rows);
   }
   if (!mask.has_value()) return;
   const at::Tensor& m = *mask;
-  TORCH_CHECK_VALUE(m.scalar_type() == at::kBool || at::isFloatingType(m.scalar_type()),
+  FA2_CHECK_VALUE(m.scalar_type() == at::kBool || at::isFloatingType(m.scalar_type()),
                     "flash_attention: attn_mask must be bool (True = attend) or floating (additive), got ",
                     py_dtype(m.scalar_type()));
-  TORCH_CHECK_VALUE(m.device() == q.device(), "flash_attention: attn_mask is on ", m.device(), ", q on ", q.device());
+  FA2_CHECK_VALUE(m.device() == q.device(), "flash_attention: attn_mask is on ", m.device(), ", q on ", q.device());
   const std::array<int64_t, 4> shape{b, hq, sq, k.size(2)};
   bool fits = m.dim() <= 4;
   for (int64_t i = 1; fits && i <= m.dim(); ++i) {
     const int64_t size = m.size(-i);
     fits = size == 1 || size == shape[4 - i];
   }
-  TORCH_CHECK_VALUE(fits, "flash_attention: attn_mask of shape ", py_tuple(m.sizes()),
+  FA2_CHECK_VALUE(fits, "flash_attention: attn_mask of shape ", py_tuple(m.sizes()),
                     " does not broadcast to [B, Hq, Sq, Sk] = ", py_list(shape));
 }
 
@@ -400,7 +422,7 @@ using Reason = std::optional<std::string>;
 bool is_hopper(const c10::Device& device) {
   const int index = device.has_index() ? device.index() : c10::cuda::current_device();
   static std::array<std::atomic<int>, 128> capability_of{};  // major * 10 + minor; 0: not asked yet
-  TORCH_CHECK(index >= 0 && index < int(capability_of.size()), "fa2_inductor: CUDA device index ", index,
+  FA2_CHECK(index >= 0 && index < int(capability_of.size()), "fa2_inductor: CUDA device index ", index,
               " out of range");
   int capability = capability_of[index].load(std::memory_order_relaxed);
   if (capability == 0) {
@@ -463,7 +485,7 @@ Reason layout_reason(const char* name, const TensorMeta& t) {
   for (int dim = 0; dim < 3; ++dim) {
     const int64_t s = t.strides[dim];
     if (t.sizes[dim] > 1 && (s <= 0 || s % fa2::kStrideAlignElements != 0)) {
-      return c10::str(name, " stride ", s, " of dim ", dim, " is not a positive multiple of ", fa2::kStrideAlignElements,
+      return join(name, " stride ", s, " of dim ", dim, " is not a positive multiple of ", fa2::kStrideAlignElements,
                       " elements");
     }
   }
@@ -487,8 +509,8 @@ Reason unsupported_reason(const TensorMeta& q, const TensorMeta& k, const Tensor
   if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return "inputs must be 4-D";
   const int64_t b = q.sizes[0], hq = q.sizes[1], sq = q.sizes[2], d = q.sizes[3];
   const int64_t hkv = k.sizes[1], sk = k.sizes[2];
-  if (find_kernel(d, *dtype) == nullptr) return c10::str("no kernel compiled for head dim ", d, " ", kernel_dtype_name(*dtype));
-  if (std::max(b, hq) > fa2::kMaxGridDim) return c10::str("batch or heads above ", fa2::kMaxGridDim);
+  if (find_kernel(d, *dtype) == nullptr) return join("no kernel compiled for head dim ", d, " ", kernel_dtype_name(*dtype));
+  if (std::max(b, hq) > fa2::kMaxGridDim) return join("batch or heads above ", fa2::kMaxGridDim);
   if (std::max(sq, sk) > kMaxSeqLen) return "sequence too long";
   if (hkv == 0 || hq % hkv != 0) return "Hq must be a multiple of Hkv";
   for (const auto& [name, t] : {std::pair<const char*, const TensorMeta*>{"q", &q}, {"k", &k}, {"v", &v}}) {
@@ -504,7 +526,7 @@ using TensorMetaArgs = std::tuple<std::vector<int64_t>, std::vector<int64_t>, at
 
 TensorMeta meta_of(const TensorMetaArgs& args) {
   const auto& [sizes, strides, dtype, device, address] = args;
-  TORCH_CHECK_VALUE(sizes.size() == strides.size(), "fa2_inductor._C.kernel_unsupported_reason: ", sizes.size(),
+  FA2_CHECK_VALUE(sizes.size() == strides.size(), "fa2_inductor._C.kernel_unsupported_reason: ", sizes.size(),
                     " sizes but ", strides.size(), " strides");
   std::optional<uintptr_t> where;
   if (address.has_value()) where = uintptr_t(*address);
@@ -543,7 +565,7 @@ void set_reference_hooks(pybind11::object fallback, pybind11::object forward_int
 }
 
 const ReferenceHooks& hooks_for(const std::string& why) {
-  TORCH_CHECK(reference_hooks != nullptr, "fa2_inductor: this call needs the Python reference implementation (", why,
+  FA2_CHECK(reference_hooks != nullptr, "fa2_inductor: this call needs the Python reference implementation (", why,
               "); import fa2_inductor in this process");
   return *reference_hooks;
 }
@@ -581,7 +603,7 @@ std::tuple<at::Tensor, at::Tensor> empty_outputs(const at::Tensor& q, const at::
 void forward(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
              double scale, bool is_causal, const std::optional<at::Tensor>& mask, int64_t window_left,
              int64_t empty_rows) {
-  TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4, "fa2_inductor._C.forward: q and k must be 4-D");
+  FA2_CHECK(q_in.dim() == 4 && k.dim() == 4, "fa2_inductor._C.forward: q and k must be 4-D");
   if (q_in.size(0) == 0 || q_in.size(1) == 0 || q_in.size(2) == 0) return;
   c10::cuda::CUDAGuard guard(q_in.device());
   if (k.size(2) == 0) {  // no key at all: every row is empty (and has no key to attend to)
@@ -693,13 +715,13 @@ const std::vector<BwdKernelEntry>& bwd_kernel_table() {
 // (batch, head, row) strides.
 std::array<int64_t, 3> like_q_strides(const char* fn, const at::Tensor& t, const char* name, const at::Tensor& q) {
   check_operand(t, name, q);
-  TORCH_CHECK(t.sizes() == q.sizes() && t.scalar_type() == q.scalar_type(), fn, ": ", name,
+  FA2_CHECK(t.sizes() == q.sizes() && t.scalar_type() == q.scalar_type(), fn, ": ", name,
               " must have q's shape and dtype");
   return {tma_stride(t, 0, name), tma_stride(t, 1, name), tma_stride(t, 2, name)};
 }
 std::array<int64_t, 3> like_kv_strides(const char* fn, const at::Tensor& t, const char* name, const at::Tensor& k) {
   check_operand(t, name, k);
-  TORCH_CHECK(t.sizes() == k.sizes() && t.scalar_type() == k.scalar_type(), fn, ": ", name,
+  FA2_CHECK(t.sizes() == k.sizes() && t.scalar_type() == k.scalar_type(), fn, ": ", name,
               " must have k's shape and dtype");
   return {tma_stride(t, 0, name), tma_stride(t, 1, name), tma_stride(t, 2, name)};
 }
@@ -708,13 +730,13 @@ std::array<int64_t, 3> like_kv_strides(const char* fn, const at::Tensor& t, cons
 // they read as broadcast (0).
 std::array<int64_t, 4> broadcast_strides(const char* fn, const at::Tensor& t, const char* name, const at::Tensor& q,
                                          int64_t seqlen_k) {
-  TORCH_CHECK(t.is_cuda() && t.device() == q.device(), fn, ": ", name, " must be on q's device");
-  TORCH_CHECK(t.dim() == 4 && t.size(0) == q.size(0) && t.size(1) == q.size(1) && t.size(2) == q.size(2) &&
+  FA2_CHECK(t.is_cuda() && t.device() == q.device(), fn, ": ", name, " must be on q's device");
+  FA2_CHECK(t.dim() == 4 && t.size(0) == q.size(0) && t.size(1) == q.size(1) && t.size(2) == q.size(2) &&
                   t.size(3) == seqlen_k,
               fn, ": ", name, " must be expanded to [B, Hq, Sq, Sk]");
   std::array<int64_t, 4> strides;
   for (int d = 0; d < 4; ++d) {
-    TORCH_CHECK(t.stride(d) >= 0, fn, ": ", name, " strides must be non-negative");
+    FA2_CHECK(t.stride(d) >= 0, fn, ": ", name, " strides must be non-negative");
     strides[d] = t.size(d) == 1 ? 0 : t.stride(d);
   }
   return strides;
@@ -730,7 +752,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
          bool deterministic, const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& dmask) {
   constexpr const char* fn = "fa2_inductor._C.bwd";
   const fa2::FwdParams f = describe_call(fn, q, k, v, out, lse, scale);
-  TORCH_CHECK(f.batch > 0 && f.heads_q > 0 && f.seqlen_q > 0 && f.seqlen_k > 0, fn,
+  FA2_CHECK(f.batch > 0 && f.heads_q > 0 && f.seqlen_q > 0 && f.seqlen_k > 0, fn,
               ": empty problems need no kernel (the caller's)");
   fa2::BwdParams p;
   p.q = f.q;
@@ -767,26 +789,26 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
 
   int variant = is_causal ? 1 : 0;
   if (mask.has_value()) {
-    TORCH_CHECK(!is_causal, fn, ": a mask together with is_causal is not supported");
+    FA2_CHECK(!is_causal, fn, ": a mask together with is_causal is not supported");
     const at::Tensor& m = *mask;
     switch (m.scalar_type()) {
       case at::kBool: p.mask_dtype = fa2::MaskDType::kBool; variant = 2; break;
       case at::kFloat: p.mask_dtype = fa2::MaskDType::kF32; variant = 3; break;
       case at::kBFloat16: p.mask_dtype = fa2::MaskDType::kBF16; variant = 3; break;
       case at::kHalf: p.mask_dtype = fa2::MaskDType::kF16; variant = 3; break;
-      default: TORCH_CHECK(false, fn, ": mask dtype must be bool, float32, bfloat16 or float16, got ", m.scalar_type());
+      default: FA2_CHECK(false, fn, ": mask dtype must be bool, float32, bfloat16 or float16, got ", m.scalar_type());
     }
     static_assert(sizeof(bool) == 1, "bool masks are read as bytes");
     const auto s = broadcast_strides(fn, m, "mask", q, f.seqlen_k);
     p.mask = m.data_ptr();
     p.mask_batch_stride = s[0], p.mask_head_stride = s[1], p.mask_row_stride = s[2], p.mask_col_stride = s[3];
     const int64_t class_slices = (s[0] == 0 ? 1 : f.batch) * (s[1] == 0 ? 1 : f.heads_q);
-    TORCH_CHECK(class_slices <= 65535, fn, ": mask too large for the block classification grid");
+    FA2_CHECK(class_slices <= 65535, fn, ": mask too large for the block classification grid");
   }
   if (dmask.has_value()) {
-    TORCH_CHECK(variant == 3, fn, ": dmask needs an additive mask");
+    FA2_CHECK(variant == 3, fn, ": dmask needs an additive mask");
     const at::Tensor& g = *dmask;
-    TORCH_CHECK(g.scalar_type() == at::kFloat, fn, ": dmask must be float32");
+    FA2_CHECK(g.scalar_type() == at::kFloat, fn, ": dmask must be float32");
     const auto s = broadcast_strides(fn, g, "dmask", q, f.seqlen_k);
     p.dmask = g.data_ptr<float>();
     p.dmask_batch_stride = s[0], p.dmask_head_stride = s[1], p.dmask_row_stride = s[2], p.dmask_col_stride = s[3];
@@ -797,7 +819,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   for (const auto& e : bwd_kernel_table()) {
     if (e.head_dim == f.head_dim && e.dtype == dtype) entry = &e;
   }
-  TORCH_CHECK(entry != nullptr, fn, ": no kernel compiled for head dim ", f.head_dim, " and dtype ", q.scalar_type());
+  FA2_CHECK(entry != nullptr, fn, ": no kernel compiled for head dim ", f.head_dim, " and dtype ", q.scalar_type());
   c10::cuda::CUDAGuard guard(q.device());
   at::Tensor workspace = at::empty({entry->workspace[variant](p)}, q.options().dtype(at::kByte));
   p.workspace = workspace.data_ptr();

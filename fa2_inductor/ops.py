@@ -24,6 +24,7 @@ from . import _cuda, _extension, reference
 from .reference import EmptyRows
 
 MAX_HEAD_DIM = 256
+_EMPTY_ROWS_VALUES = frozenset(int(e) for e in EmptyRows)  # a plain set: Dynamo traces check_inputs
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -61,7 +62,7 @@ def check_inputs(
         raise ValueError(f"flash_attention: query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     if window_left != -1 and not (is_causal and window_left >= 0):
         raise ValueError(f"flash_attention: window_left must be -1 or, with is_causal=True, >= 0; got {window_left}")
-    if empty_rows not in EmptyRows.__members__.values():
+    if empty_rows not in _EMPTY_ROWS_VALUES:
         raise ValueError(f"flash_attention: empty_rows must be one of {[int(e) for e in EmptyRows]} (EmptyRows), got {empty_rows}")
     if attn_mask is not None:
         _check_mask(attn_mask, (b, hq, sq, k.shape[2]), q)

@@ -167,6 +167,19 @@ def _shifted_exp(scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return probs, finite_max, probs.sum(dim=-1, keepdim=True)
 
 
+def _probabilities(scores: Tensor, row_lse: Tensor) -> Tensor:
+    """softmax probabilities of ``scores`` under the forward's ``row_lse``.
+
+    Beyond 1/eps a float32 lse's unit exceeds 1, so exp(scores - lse) could be off by e or more; only
+    fill-dominated rows get there, and they are normalised over their own keys."""
+    locates = row_lse.abs() < 1 / torch.finfo(torch.float32).eps
+    from_lse = torch.exp(scores - torch.where(locates, row_lse, torch.zeros_like(row_lse)))
+    local, _, row_sum = _shifted_exp(scores)
+    local = local / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
+    empty = row_lse == float("-inf")
+    return torch.where(locates, from_lse, torch.where(empty, torch.zeros_like(local), local))
+
+
 def attention_backward(
     grad_out: Tensor,
     q: Tensor,
@@ -180,10 +193,11 @@ def attention_backward(
     compute_mask_grad: bool,
     window_left: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """Gradients of out w.r.t. q, k, v (and the mask when asked), recomputing P from the scores.
+    """Gradients of out w.r.t. q, k, v (and the mask when asked), with P = exp(scores - lse).
 
-    ``lse`` is not read: next to a huge finite row max (a row masked with finfo.min everywhere) it has
-    lost log(row sum), and P recomputed from it would be too large there.
+    ``lse`` may cover more keys than these (a ring step passes the global one). Rows whose lse is -inf
+    get no gradient; rows whose lse is too large to locate the scores (a row filled with finfo.min
+    everywhere: its lse lost log(row sum)) are normalised over these keys instead.
     """
     b, hq, sq, _ = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -199,8 +213,7 @@ def attention_backward(
     delta = (grad_out.to(acc) * out.to(acc)).sum(-1)
     for rows in _query_blocks(b, hq, sq, sk):
         scores = _block_scores(q, k, attn_mask, scale, is_causal, window_left, rows, shape, hkv, acc)
-        probs, _, row_sum = _shifted_exp(scores)
-        probs = probs / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
+        probs = _probabilities(scores, _group_view(lse[:, :, rows].unsqueeze(-1), hkv).to(acc))
         d_out = _group_view(grad_out[:, :, rows].to(acc), hkv)
         dv += torch.matmul(probs.transpose(-1, -2), d_out)
         d_probs = torch.matmul(d_out, v_acc.transpose(-1, -2))

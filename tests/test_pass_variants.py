@@ -14,10 +14,23 @@ import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fa2_inductor
+from fa2_inductor.reference import EmptyRows
 from tests.pass_checks import compile_and_compare, pass_counts, qkv
 
 FLASH_FWD = torch.ops.fa2_inductor.flash_attention_fwd.default
 FLASH_BWD = torch.ops.fa2_inductor.flash_attention_bwd.default
+
+
+def _argument(node, name):
+    """An op node's argument by its schema name, whether passed by position, by keyword or defaulted."""
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.name == name:
+            if index < len(node.args):
+                return node.args[index]
+            return node.kwargs.get(name, argument.default_value)
+    raise KeyError(name)
+
+
 D = 16
 
 
@@ -329,7 +342,7 @@ def test_two_sites_in_a_training_graph(op_nodes):
     compile_and_compare(two_layers, *qkv(train=True), rewrites=2, train=True)
 
 
-# --- finite fills: where(mask, s, finfo.min) equals s + where(mask, 0, finfo.min) ------------------
+# --- finite fills: where(mask, s, finfo.min) is the bool mask, with empty rows averaging V ---------
 def _visible_with_an_empty_row(seq_q, seq_k):
     visible = _bool_mask(seq_q, seq_k)
     visible[0, :, 3] = False  # a query row that sees no key: eager averages V there, and so must we
@@ -358,11 +371,12 @@ FILLS = {"where": _where_finfo_min, "masked_fill": _masked_fill_finfo_min, "gpt2
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", FILLS)
-def test_finfo_min_fills_are_additive_masks(op_nodes, name, dtype):
+def test_finfo_min_fills_are_bool_masks_that_average_empty_rows(op_nodes, name, dtype):
     q, k, v = qkv(seq_q=8, seq_k=8, dtype=dtype)
     compile_and_compare(FILLS[name], q, k, v, _visible_with_an_empty_row(8, 8), rewrites=1)
-    mask = op_nodes[0].args[3]
-    assert mask is not None and mask.meta["val"].dtype.is_floating_point
+    (forward,) = op_nodes
+    assert forward.args[3].meta["val"].dtype == torch.bool
+    assert _argument(forward, "empty_rows") == EmptyRows.MEAN_V
 
 
 @pytest.mark.parametrize("name", FILLS)
@@ -470,7 +484,7 @@ def test_mask_gradient_comes_from_the_op(op_nodes, mask_shape):
     mask = torch.randn(mask_shape, requires_grad=True)
     compile_and_compare(_additive_mask, q, k, v, mask, rewrites=1, train=True)
     (backward,) = [n for n in op_nodes if n.target is FLASH_BWD]
-    assert backward.args[-1] is True  # compute_mask_grad
+    assert _argument(backward, "compute_mask_grad") is True
 
 
 @pytest.mark.parametrize("mask_shape", [(2, 4, 8, 8), (2, 1, 8, 8)], ids=str)

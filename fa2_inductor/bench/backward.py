@@ -161,7 +161,7 @@ def backward_rows(args: argparse.Namespace) -> int:
     if device.type != "cuda":
         print("--backward needs a CUDA device")
         return 1
-    torch.cuda.set_device(device)
+    torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
     impls = [name for name in args.impls if name in FORWARDS] or list(IMPLS)
     args.impls = impls
     cells = sweep_cells(args.seqlens, args.head_dims, args.dtypes, CAUSAL_CHOICES[args.causal], args.tokens, args.hidden)

@@ -19,6 +19,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 pytest.importorskip("transformers")
 
 import fa2_inductor.hf  # noqa: E402
+from fa2_inductor.passes import support  # noqa: E402
 from fa2_inductor import _extension  # noqa: E402
 from tests.hf_families import FAMILIES, CountOpCalls, model_output  # noqa: E402
 
@@ -90,7 +91,7 @@ def test_attention_interface_runs_the_kernel_and_matches_sdpa():
 def test_compiled_generate_matches_eager_greedy():
     family = FAMILIES["llama"]
     model = family.build("sdpa", dtype=torch.bfloat16, device=DEVICE, hidden=HIDDEN)
-    prompt = {"input_ids": _tokens(1, 64)}
+    prompt = {"input_ids": _tokens(1, support.MIN_KEYS_WITH_MASK)}  # long enough for the op's prefill rule
     settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0, "cache_implementation": "static"}
     with torch.no_grad():
         expected = model.generate(**prompt, **settings)
