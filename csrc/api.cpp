@@ -350,7 +350,8 @@ constexpr int64_t kEmptyRowsCount = 3;
 // Raises ValueError naming the problem when the arguments do not describe a valid attention: the rules and
 // messages of fa2_inductor.ops.check_inputs, in its order (tests/gpu/test_dispatch.py compares the two).
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
-                  bool is_causal, int64_t window_left, int64_t empty_rows) {
+                  bool is_causal, int64_t window_left, int64_t empty_rows, double softcap,
+                  const std::optional<at::Tensor>& sinks) {
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"k", &k}, {"v", &v}}) {
     FA2_CHECK_VALUE(t->dim() == 4, "flash_attention: ", name, " must be 4-D [batch, heads, seq, head_dim], got shape ",
                       py_tuple(t->sizes()));
@@ -384,6 +385,18 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     for (int64_t i = 0; i < kEmptyRowsCount; ++i) policies.push_back(i);
     FA2_CHECK_VALUE(false, "flash_attention: empty_rows must be one of ", py_list(policies), " (EmptyRows), got ",
                       empty_rows);
+  }
+  FA2_CHECK_VALUE(softcap >= 0 && softcap < std::numeric_limits<double>::infinity(),
+                  "flash_attention: softcap must be finite and >= 0 (0: no soft-capping)");
+  if (sinks.has_value()) {
+    const at::Tensor& s = *sinks;
+    FA2_CHECK_VALUE(s.dim() == 1 && s.size(0) == hq && at::isFloatingType(s.scalar_type()),
+                    "flash_attention: sinks must be a floating tensor of shape [Hq] = [", hq, "], got ",
+                    py_dtype(s.scalar_type()), " of shape ", py_tuple(s.sizes()));
+    FA2_CHECK_VALUE(s.device() == q.device(), "flash_attention: sinks is on ", s.device(), ", q on ", q.device());
+    FA2_CHECK_VALUE(empty_rows == int64_t(EmptyRows::kZero),
+                    "flash_attention: with sinks a row with no visible key gives all its weight to the sink "
+                    "(out = 0): empty_rows must be EmptyRows.ZERO");
   }
   if (!mask.has_value()) return;
   const at::Tensor& m = *mask;
@@ -495,7 +508,9 @@ Reason layout_reason(const char* name, const TensorMeta& t) {
 // None when the compiled kernel runs this call, else a short reason. The one place that decides it: the op's
 // CUDA implementation below, and through fa2_inductor._cuda the graph pass's device rules and explain.
 Reason unsupported_reason(const TensorMeta& q, const TensorMeta& k, const TensorMeta& v, const TensorMeta* mask,
-                          bool is_causal, int64_t window_left) {
+                          bool is_causal, int64_t window_left, double softcap, bool has_sinks) {
+  if (softcap != 0) return "softcap (no soft-capping kernel yet)";
+  if (has_sinks) return "attention sinks (no sinks kernel yet)";
   if (window_left != -1 && !is_causal) return "window_left without is_causal";
   if (mask != nullptr) {
     Reason reason = mask_reason(*mask, q, k, is_causal);
@@ -534,10 +549,11 @@ TensorMeta meta_of(const TensorMetaArgs& args) {
 }
 
 Reason kernel_unsupported_reason(const TensorMetaArgs& q, const TensorMetaArgs& k, const TensorMetaArgs& v,
-                                 const std::optional<TensorMetaArgs>& mask, bool is_causal, int64_t window_left) {
+                                 const std::optional<TensorMetaArgs>& mask, bool is_causal, int64_t window_left,
+                                 double softcap, bool has_sinks) {
   const std::optional<TensorMeta> mask_meta = mask.has_value() ? std::optional<TensorMeta>(meta_of(*mask)) : std::nullopt;
   return unsupported_reason(meta_of(q), meta_of(k), meta_of(v), mask_meta ? &*mask_meta : nullptr, is_causal,
-                            window_left);
+                            window_left, softcap, has_sinks);
 }
 
 // -------------------------------------------------------------------------------------- reference hooks
@@ -549,7 +565,7 @@ Reason kernel_unsupported_reason(const TensorMetaArgs& q, const TensorMetaArgs& 
 // and the once-per-reason warning live in Python (torch._dynamo.utils.counters, warnings) anyway.
 // fa2_inductor._cuda sets the hooks when it imports this module.
 struct ReferenceHooks {
-  // (reason, q, k, v, attn_mask, scale, is_causal, window_left, empty_rows) -> (out, lse): counts the call
+  // (reason, q, k, v, attn_mask, scale, is_causal, window_left, empty_rows, softcap, sinks) -> (out, lse): counts the call
   // under reference_fallback:<reason>, warns once per reason, returns the reference's outputs.
   pybind11::object fallback;
   // reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows).
@@ -573,10 +589,11 @@ const ReferenceHooks& hooks_for(const std::string& why) {
 std::tuple<at::Tensor, at::Tensor> reference_fallback(const std::string& reason, const at::Tensor& q,
                                                       const at::Tensor& k, const at::Tensor& v,
                                                       const std::optional<at::Tensor>& mask, double scale,
-                                                      bool is_causal, int64_t window_left, int64_t empty_rows) {
+                                                      bool is_causal, int64_t window_left, int64_t empty_rows,
+                                                      double softcap, const std::optional<at::Tensor>& sinks) {
   pybind11::gil_scoped_acquire gil;
   const pybind11::object result =
-      hooks_for(reason).fallback(reason, q, k, v, mask, scale, is_causal, window_left, empty_rows);
+      hooks_for(reason).fallback(reason, q, k, v, mask, scale, is_causal, window_left, empty_rows, softcap, sinks);
   return result.cast<std::tuple<at::Tensor, at::Tensor>>();
 }
 
@@ -641,14 +658,16 @@ void forward(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, a
 std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k,
                                                             const at::Tensor& v, const std::optional<at::Tensor>& mask,
                                                             double scale, bool is_causal, int64_t window_left,
-                                                            int64_t empty_rows) {
-  check_inputs(q, k, v, mask, is_causal, window_left, empty_rows);
+                                                            int64_t empty_rows, double softcap,
+                                                            const std::optional<at::Tensor>& sinks) {
+  check_inputs(q, k, v, mask, is_causal, window_left, empty_rows, softcap, sinks);
   const std::optional<TensorMeta> mask_meta =
       mask.has_value() ? std::optional<TensorMeta>(TensorMeta::of(*mask)) : std::nullopt;
   const Reason reason = unsupported_reason(TensorMeta::of(q), TensorMeta::of(k), TensorMeta::of(v),
-                                           mask_meta ? &*mask_meta : nullptr, is_causal, window_left);
+                                           mask_meta ? &*mask_meta : nullptr, is_causal, window_left, softcap,
+                                           sinks.has_value());
   if (reason.has_value()) {
-    return reference_fallback(*reason, q, k, v, mask, scale, is_causal, window_left, empty_rows);
+    return reference_fallback(*reason, q, k, v, mask, scale, is_causal, window_left, empty_rows, softcap, sinks);
   }
   c10::cuda::CUDAGuard guard(q.device());
   auto [out, lse] = empty_outputs(q, v);
@@ -862,10 +881,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("is_causal"), py::arg("attn_mask"), py::arg("window_left"), py::arg("empty_rows"));
   m.def("kernel_unsupported_reason", &kernel_unsupported_reason,
         "None when the kernel runs the call, else why not; tensors as (sizes, strides, dtype, device, address or None)",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("attn_mask"), py::arg("is_causal"), py::arg("window_left"));
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("attn_mask"), py::arg("is_causal"), py::arg("window_left"),
+        py::arg("softcap") = 0.0, py::arg("has_sinks") = false);
   m.def("set_reference_hooks", &set_reference_hooks,
         "The Python reference the CUDA implementation calls: fallback(reason, q, k, v, attn_mask, scale, is_causal, "
-        "window_left, empty_rows) -> (out, lse), and forward_into (reference.attention_forward)",
+        "window_left, empty_rows, softcap, sinks) -> (out, lse), and forward_into (reference.attention_forward)",
         py::arg("fallback"), py::arg("forward_into"));
   m.def("compiled_kernels", &compiled_kernels, "List of (head_dim, dtype_name) compiled into this build");
   m.def("limits", &limits, "The limits every compiled kernel shares");

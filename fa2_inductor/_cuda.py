@@ -48,7 +48,8 @@ def _metadata(t: Tensor) -> tuple:
 
 
 def kernel_unsupported_reason(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1,
+    softcap: float = 0.0, sinks: Optional[Tensor] = None,
 ) -> Optional[str]:
     """None when the compiled kernel runs this call, else a short reason. The extension decides, with the
     same function its CUDA implementation asks on every call; the graph pass's device rules and ``explain``
@@ -57,7 +58,8 @@ def kernel_unsupported_reason(
         return KERNEL_NOT_BUILT
     mask = None if attn_mask is None else _metadata(attn_mask)
     return _extension.C.kernel_unsupported_reason(
-        _metadata(q), _metadata(k), _metadata(v), mask, bool(is_causal), int(window_left)
+        _metadata(q), _metadata(k), _metadata(v), mask, bool(is_causal), int(window_left), float(softcap),
+        sinks is not None
     )
 
 
@@ -103,12 +105,15 @@ def reference_fallback(
     is_causal: bool,
     window_left: int,
     empty_rows: int,
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) of a CUDA call the kernel does not run: the reference's, correct but slow, so the call is
     counted under ``reference_fallback:<reason>`` and each reason is announced once."""
     note_reference_fallback(reason)
     out, lse = reference.empty_outputs(q, v)
-    reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows)
+    reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows, softcap,
+                                sinks)
     return out, lse
 
 
@@ -125,6 +130,7 @@ _MAX_BACKWARD_HEAD_RATIO = 1 << 14
 def backward_kernel_unsupported_reason(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     attn_mask: Optional[Tensor], is_causal: bool, compute_mask_grad: bool, window_left: int = -1,
+    softcap: float = 0.0, sinks: Optional[Tensor] = None,
 ) -> Optional[str]:
     """None when ``backward_kernel`` runs this call: what the forward kernel covers, less a window and a
     mask together with is_causal."""
@@ -136,7 +142,7 @@ def backward_kernel_unsupported_reason(
         return "window_left (the backward kernel has no window)"
     if attn_mask is not None and is_causal:
         return "attn_mask together with is_causal (the backward kernel takes one or the other)"
-    reason = kernel_unsupported_reason(q, k, v, attn_mask, is_causal)
+    reason = kernel_unsupported_reason(q, k, v, attn_mask, is_causal, -1, softcap, sinks)
     if reason is not None:
         return reason
     for name, t in (("grad_out", grad_out), ("out", out)):
@@ -191,22 +197,26 @@ def _flash_backward_op():
 
 
 def backward_unsupported_reason(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1,
+    softcap: float = 0.0, sinks: Optional[Tensor] = None,
 ) -> Optional[str]:
     """None when the op's backward runs a fast kernel: ours (``backward_kernel``) or else PyTorch's
     flash-attention backward (``backward``)."""
     if q.device.type == "cuda" and backward_kernel_unsupported_reason(
-            q, q, k, v, q, attn_mask, is_causal, False, window_left) is None:
+            q, q, k, v, q, attn_mask, is_causal, False, window_left, softcap, sinks) is None:
         return None
-    return flash_backward_unsupported_reason(q, k, v, attn_mask, is_causal, window_left)
+    return flash_backward_unsupported_reason(q, k, v, attn_mask, is_causal, window_left, softcap, sinks)
 
 
 def flash_backward_unsupported_reason(
-    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1,
+    softcap: float = 0.0, sinks: Optional[Tensor] = None,
 ) -> Optional[str]:
     """None when ``backward`` can run this call through PyTorch's flash-attention backward."""
     if attn_mask is not None:
         return "attn_mask"
+    if softcap or sinks is not None:
+        return "softcap or sinks (PyTorch's flash backward has neither)"
     if window_left != -1 and not _flash_backward_takes_window():
         return "window_left: this torch's flash backward has no window arguments"
     if q.device.type != "cuda":

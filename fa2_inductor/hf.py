@@ -9,8 +9,9 @@ No torch.compile is needed: every attention layer calls ``torch.ops.fa2_inductor
 
 Masks: the model builds them as for "sdpa" (boolean, True = attend, sliding windows included), except that
 a mask which is causal by construction is left out (None + is_causal), even under torch.compile. K/V keep
-their own heads (native GQA, no repeat). Attention dropout during training, logit softcapping and
-attention sinks are refused with an error that says what to use instead.
+their own heads (native GQA, no repeat). Logit softcapping (Gemma 2) and attention sinks (gpt-oss's
+``s_aux``) are the op's ``softcap`` and ``sinks``; attention dropout during training is refused with an
+error that says what to use instead.
 """
 
 from __future__ import annotations
@@ -77,15 +78,6 @@ def attention_forward(
             f"attn_implementation='{NAME}' has no attention dropout (got p={dropout} in training mode); "
             "set the config's attention dropout to 0.0 or train with attn_implementation='sdpa'"
         )
-    if softcap is not None:
-        raise NotImplementedError(
-            f"attn_implementation='{NAME}' does not support attention logit softcapping (softcap={softcap}); "
-            "use attn_implementation='eager' for this model"
-        )
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(
-            f"attn_implementation='{NAME}' does not support attention sinks (s_aux); use 'eager' for this model"
-        )
     seq_q, seq_k = query.shape[2], key.shape[2]
     if attention_mask is not None:
         # Static caches can hand a mask longer than the keys filled so far.
@@ -98,7 +90,8 @@ def attention_forward(
     if position_bias is not None:
         attention_mask = _bias_with_mask(position_bias, attention_mask, is_causal, seq_q, seq_k)
         is_causal = False
-    out = flash_attention(query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=is_causal)
+    out = flash_attention(query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=is_causal,
+                          softcap=softcap or 0.0, sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
 
 

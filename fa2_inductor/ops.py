@@ -1,11 +1,12 @@
 """The attention op: schema, input checks, fake, reference and CUDA implementations, autograd.
 
 ``torch.ops.fa2_inductor.flash_attention_fwd(q, k, v, attn_mask, scale, is_causal, window_left=-1,
-empty_rows=0) -> (out, lse)`` computes ``softmax(q kᵀ · scale + mask) v`` like
+empty_rows=0, softcap=0.0, sinks=None) -> (out, lse)`` computes ``softmax(q kᵀ · scale + mask) v`` like
 ``F.scaled_dot_product_attention`` and also returns the natural-log log-sum-exp of the scaled, masked
 scores. ``lse`` is not differentiable. Unlike SDPA, ``attn_mask`` and ``is_causal`` may come together
-(both apply), ``window_left`` bounds a causal sliding window, and ``empty_rows`` (an ``EmptyRows``) picks
-what rows with no visible key return.
+(both apply), ``window_left`` bounds a causal sliding window, ``empty_rows`` (an ``EmptyRows``) picks
+what rows with no visible key return, ``softcap`` caps the scaled scores at ``softcap * tanh(s / softcap)``
+before masks apply, and ``sinks`` (a logit per query head) joins each row's softmax denominator.
 
 The CUDA implementation runs the Hopper kernel where it covers the call and the reference otherwise,
 so every device gets a correct answer. With the compiled extension loaded it is C++ (csrc/api.cpp
@@ -30,7 +31,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def check_inputs(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1,
-    empty_rows: int = EmptyRows.ZERO,
+    empty_rows: int = EmptyRows.ZERO, softcap: float = 0.0, sinks: Optional[Tensor] = None,
 ) -> None:
     """Raises ValueError naming the problem when the arguments do not describe a valid attention."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -64,8 +65,25 @@ def check_inputs(
         raise ValueError(f"flash_attention: window_left must be -1 or, with is_causal=True, >= 0; got {window_left}")
     if empty_rows not in _EMPTY_ROWS_VALUES:
         raise ValueError(f"flash_attention: empty_rows must be one of {[int(e) for e in EmptyRows]} (EmptyRows), got {empty_rows}")
+    if not 0 <= softcap < math.inf:
+        raise ValueError("flash_attention: softcap must be finite and >= 0 (0: no soft-capping)")
+    if sinks is not None:
+        _check_sinks(sinks, hq, q, empty_rows)
     if attn_mask is not None:
         _check_mask(attn_mask, (b, hq, sq, k.shape[2]), q)
+
+
+def _check_sinks(sinks: Tensor, hq: int, q: Tensor, empty_rows: int) -> None:
+    if not isinstance(sinks, Tensor):
+        raise ValueError(f"flash_attention: sinks must be a tensor or None, got {type(sinks).__name__}")
+    if sinks.dim() != 1 or sinks.shape[0] != hq or not sinks.dtype.is_floating_point:
+        raise ValueError(f"flash_attention: sinks must be a floating tensor of shape [Hq] = [{hq}], got {sinks.dtype} "
+                         f"of shape {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"flash_attention: sinks is on {sinks.device}, q on {q.device}")
+    if empty_rows != EmptyRows.ZERO:
+        raise ValueError("flash_attention: with sinks a row with no visible key gives all its weight to the sink "
+                         "(out = 0): empty_rows must be EmptyRows.ZERO")
 
 
 def _check_mask(attn_mask: Tensor, shape: tuple, q: Tensor) -> None:
@@ -83,9 +101,10 @@ def _check_mask(attn_mask: Tensor, shape: tuple, q: Tensor) -> None:
         raise ValueError(f"flash_attention: attn_mask of shape {mask_shape} does not broadcast to [B, Hq, Sq, Sk] = {list(shape)}")
 
 
-def _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows):
+def _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows, softcap, sinks):
     out, lse = reference.empty_outputs(q, v)
-    reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows)
+    reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows, softcap,
+                                sinks)
     return out, lse
 
 
@@ -99,9 +118,11 @@ def flash_attention_fwd(
     is_causal: bool,
     window_left: int = -1,
     empty_rows: int = 0,
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    check_inputs(q, k, v, attn_mask, is_causal, window_left, empty_rows)
-    return _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows)
+    check_inputs(q, k, v, attn_mask, is_causal, window_left, empty_rows, softcap, sinks)
+    return _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows, softcap, sinks)
 
 
 def _register_cuda_kernel(op, fn) -> None:
@@ -112,19 +133,21 @@ def _register_cuda_kernel(op, fn) -> None:
     op.register_kernel("cuda")(fn)
 
 
-def _flash_attention_fwd_cuda(q, k, v, attn_mask, scale, is_causal, window_left=-1, empty_rows=0):
+def _flash_attention_fwd_cuda(q, k, v, attn_mask, scale, is_causal, window_left=-1, empty_rows=0, softcap=0.0,
+                              sinks=None):
     """CUDA calls without the extension: the reference, counted and announced like any fallback."""
-    check_inputs(q, k, v, attn_mask, is_causal, window_left, empty_rows)
+    check_inputs(q, k, v, attn_mask, is_causal, window_left, empty_rows, softcap, sinks)
     return _cuda.reference_fallback(_cuda.KERNEL_NOT_BUILT, q, k, v, attn_mask, scale, is_causal, window_left,
-                                    empty_rows)
+                                    empty_rows, softcap, sinks)
 
 
 _register_cuda_kernel(flash_attention_fwd, _flash_attention_fwd_cuda)
 
 
 @flash_attention_fwd.register_fake
-def _flash_attention_fwd_fake(q, k, v, attn_mask, scale, is_causal, window_left=-1, empty_rows=0):
-    check_inputs(q, k, v, attn_mask, is_causal, window_left, empty_rows)
+def _flash_attention_fwd_fake(q, k, v, attn_mask, scale, is_causal, window_left=-1, empty_rows=0, softcap=0.0,
+                              sinks=None):
+    check_inputs(q, k, v, attn_mask, is_causal, window_left, empty_rows, softcap, sinks)
     return reference.empty_outputs(q, v)
 
 
@@ -141,35 +164,45 @@ def flash_attention_bwd(
     is_causal: bool,
     compute_mask_grad: bool,
     window_left: int = -1,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dmask), all contiguous; dmask is empty unless compute_mask_grad. Rows without a
-    visible key (lse = -inf) contribute no gradient, whatever the forward returned for them."""
-    return _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left)
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dmask, dsinks), all contiguous; dmask is empty unless compute_mask_grad, dsinks unless
+    sinks are given. Rows without a visible key (lse = -inf) contribute no gradient, whatever the forward
+    returned for them."""
+    return _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left,
+                          softcap, sinks)
 
 
-def _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left):
-    dq, dk, dv, dmask = reference.attention_backward(
-        grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left
+def _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left,
+                   softcap, sinks):
+    dq, dk, dv, dmask, dsinks = reference.attention_backward(
+        grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left, softcap, sinks
     )
     dmask = q.new_empty(0) if dmask is None else dmask.contiguous()
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dmask
+    dsinks = q.new_empty(0) if dsinks is None else dsinks.contiguous()
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dmask, dsinks
 
 
 def _flash_attention_bwd_cuda(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad,
-                              window_left=-1):
+                              window_left=-1, softcap=0.0, sinks=None):
     # Our Hopper backward where it covers the call; else PyTorch's flash backward (counted), else the reference.
     reason = _cuda.backward_kernel_unsupported_reason(grad_out, q, k, v, out, attn_mask, is_causal, compute_mask_grad,
-                                                      window_left)
+                                                      window_left, softcap, sinks)
     if reason is None:
-        return _cuda.backward_kernel(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad)
+        dq, dk, dv, dmask = _cuda.backward_kernel(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal,
+                                                  compute_mask_grad)
+        return dq, dk, dv, dmask, q.new_empty(0)
     from torch._dynamo.utils import counters
 
     counters["fa2_inductor"][f"backward_fallback:{reason}"] += 1
-    if compute_mask_grad or _cuda.flash_backward_unsupported_reason(q, k, v, attn_mask, is_causal, window_left) is not None:
+    if compute_mask_grad or _cuda.flash_backward_unsupported_reason(q, k, v, attn_mask, is_causal, window_left,
+                                                                    softcap, sinks) is not None:
         _cuda.note_reference_fallback(f"backward: {reason}")
-        return _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left)
+        return _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left,
+                              softcap, sinks)
     dq, dk, dv = _cuda.backward(grad_out, q, k, v, out, lse, scale, is_causal, window_left)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty(0)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty(0), q.new_empty(0)
 
 
 _register_cuda_kernel(flash_attention_bwd, _flash_attention_bwd_cuda)
@@ -177,28 +210,34 @@ _register_cuda_kernel(flash_attention_bwd, _flash_attention_bwd_cuda)
 
 @flash_attention_bwd.register_fake
 def _flash_attention_bwd_fake(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad,
-                              window_left=-1):
+                              window_left=-1, softcap=0.0, sinks=None):
     dmask = attn_mask.new_empty(attn_mask.shape) if compute_mask_grad else q.new_empty(0)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask, dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, scale, is_causal, window_left, _empty_rows = inputs
+    q, k, v, attn_mask, scale, is_causal, window_left, _empty_rows, softcap, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks)
     ctx.scale = scale
     ctx.is_causal = is_causal
     ctx.window_left = window_left
+    ctx.softcap = softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, sinks = ctx.saved_tensors
     compute_mask_grad = bool(ctx.needs_input_grad[3])
-    dq, dk, dv, dmask = flash_attention_bwd(
-        grad_out, q, k, v, out, lse, attn_mask, ctx.scale, ctx.is_causal, compute_mask_grad, ctx.window_left
+    dq, dk, dv, dmask, dsinks = flash_attention_bwd(
+        grad_out, q, k, v, out, lse, attn_mask, ctx.scale, ctx.is_causal, compute_mask_grad, ctx.window_left,
+        ctx.softcap, sinks
     )
-    return dq, dk, dv, (dmask if compute_mask_grad else None), None, None, None, None
+    grads = [dq, dk, dv, dmask if compute_mask_grad else None] + [None] * (len(ctx.needs_input_grad) - 4)
+    if sinks is not None and ctx.needs_input_grad[9]:
+        grads[9] = dsinks
+    return tuple(grads)
 
 
 flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -214,6 +253,8 @@ def flash_attention(
     is_causal: bool = False,
     window_left: int = -1,
     empty_rows: int = EmptyRows.ZERO,
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Differentiable ``softmax(q kᵀ · scale + mask) v`` with SDPA's layout and meaning.
 
@@ -223,11 +264,13 @@ def flash_attention(
     window_left: with is_causal, query i also sees no key before i - window_left (a sliding window of
         window_left + 1 keys); -1 for none.
     empty_rows: what rows with no visible key return (``EmptyRows``): 0 by default.
+    softcap: > 0 caps the scaled scores at softcap * tanh(scores / softcap) before masks apply; 0 for none.
+    sinks: a logit per query head, [Hq], that joins each row's softmax denominator (attention sinks).
     scale defaults to 1/sqrt(D).
     """
-    check_inputs(q, k, v, attn_mask, is_causal, window_left, empty_rows)
+    check_inputs(q, k, v, attn_mask, is_causal, window_left, empty_rows, softcap, sinks)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     out, _ = flash_attention_fwd(q, k, v, attn_mask, float(scale), bool(is_causal), int(window_left),
-                                 int(empty_rows))
+                                 int(empty_rows), float(softcap), sinks)
     return out

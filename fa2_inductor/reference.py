@@ -6,6 +6,10 @@ as ``[B, Hkv, G, Sq, D]`` against ``[B, Hkv, 1, Sk, D]``.
 
 Rows whose keys are all masked out give ``lse = -inf`` and, as ``empty_rows`` (an ``EmptyRows``) says,
 ``out = 0`` (FlashAttention's convention), the mean of V over all keys, or attention over all keys.
+
+``softcap`` > 0 caps the scaled scores as ``softcap * tanh(scores / softcap)`` before masks apply (Gemma 2's
+logit soft-capping); ``sinks`` (one logit per query head) joins every row's softmax denominator without a
+value (gpt-oss's attention sinks), so the probabilities of a row sum to less than one and ``lse`` includes it.
 """
 
 from __future__ import annotations
@@ -89,15 +93,20 @@ def _causal_bias(rows: slice, seq_k: int, window_left: int, device: torch.device
     return torch.where(visible, zero, float("-inf"))
 
 
-def _block_scores(q, k, attn_mask, scale, is_causal, window_left, rows, shape, kv_heads, acc):
-    """Scaled, masked scores of one query block: [B, Hkv, G, rows, Sk] in the accumulation dtype."""
+def _capped_scores(q, k, scale, softcap, rows, kv_heads, acc):
+    """Scaled (and soft-capped) scores of one query block, before masks: [B, Hkv, G, rows, Sk]."""
     scores = torch.matmul(_group_view(q[:, :, rows], kv_heads).to(acc), k.to(acc).unsqueeze(2).transpose(-1, -2))
     scores = scores * scale
+    return softcap * torch.tanh(scores / softcap) if softcap else scores
+
+
+def _masked(scores, attn_mask, is_causal, window_left, rows, shape, kv_heads, acc):
+    """``scores`` of one query block with the mask and the causal positions applied."""
     bias = _mask_block(attn_mask, rows, shape, kv_heads, acc)
     if bias is not None:
         scores = scores + bias
     if is_causal:
-        scores = scores + _causal_bias(rows, shape[3], window_left, q.device, acc)
+        scores = scores + _causal_bias(rows, shape[3], window_left, scores.device, acc)
     return scores
 
 
@@ -114,6 +123,11 @@ def empty_outputs(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
+def _sink_logits(sinks: Optional[Tensor], kv_heads: int, acc: torch.dtype) -> Optional[Tensor]:
+    """[Hq] sink logits as [1, Hkv, G, 1, 1], broadcasting against a block's scores."""
+    return None if sinks is None else sinks.to(acc).reshape(1, kv_heads, -1, 1, 1)
+
+
 def attention_forward(
     q: Tensor,
     k: Tensor,
@@ -125,6 +139,8 @@ def attention_forward(
     lse: Tensor,
     window_left: int = -1,
     empty_rows: int = 0,
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> None:
     """Writes softmax(q kᵀ · scale + mask) v into ``out`` and the natural-log LSE into ``lse``."""
     b, hq, sq, _ = q.shape
@@ -132,9 +148,11 @@ def attention_forward(
     shape = (b, hq, sq, sk)
     acc = _accumulation_dtype(q.dtype)
     v_acc = v.to(acc).unsqueeze(2)
+    sink = _sink_logits(sinks, hkv, acc)
     for rows in _query_blocks(b, hq, sq, sk):
-        scores = _block_scores(q, k, attn_mask, scale, is_causal, window_left, rows, shape, hkv, acc)
-        probs, finite_max, row_sum = _shifted_exp(scores)
+        scores = _capped_scores(q, k, scale, softcap, rows, hkv, acc)
+        scores = _masked(scores, attn_mask, is_causal, window_left, rows, shape, hkv, acc)
+        probs, finite_max, row_sum = _shifted_exp(scores, sink)
         block_out = torch.matmul(probs, v_acc) / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
         block_lse = (finite_max + torch.log(row_sum)).squeeze(-1)
         out[:, :, rows] = block_out.flatten(1, 2).to(out.dtype)
@@ -155,29 +173,35 @@ def fill_empty_rows(out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, s
     out.copy_(torch.where(empty, filled.to(out.dtype), out))
 
 
-def _shifted_exp(scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(exp(scores - row max), row max, row sum of the exps); fully masked rows (max -inf) shift by 0 so
-    exp gives 0 instead of NaN."""
+def _shifted_exp(scores: Tensor, sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(exp(scores - row max), row max, row sum of the exps, the sink's included); fully masked rows (max
+    -inf) shift by 0 so exp gives 0 instead of NaN."""
     if scores.shape[-1] == 0:
         row_max = scores.new_full((*scores.shape[:-1], 1), float("-inf"))
     else:
         row_max = scores.amax(dim=-1, keepdim=True)
+    if sink is not None:
+        row_max = torch.maximum(row_max, sink)
     finite_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     probs = torch.exp(scores - finite_max)
-    return probs, finite_max, probs.sum(dim=-1, keepdim=True)
+    row_sum = probs.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        row_sum = row_sum + torch.exp(sink - finite_max)
+    return probs, finite_max, row_sum
 
 
 def _probabilities(scores: Tensor, row_lse: Tensor) -> Tensor:
-    """softmax probabilities of ``scores`` under the forward's ``row_lse``.
+    """softmax probabilities of ``scores`` under the forward's (float32) ``row_lse``.
 
-    Beyond 1/eps a float32 lse's unit exceeds 1, so exp(scores - lse) could be off by e or more; only
-    fill-dominated rows get there, and they are normalised over their own keys."""
-    locates = row_lse.abs() < 1 / torch.finfo(torch.float32).eps
-    from_lse = torch.exp(scores - torch.where(locates, row_lse, torch.zeros_like(row_lse)))
-    local, _, row_sum = _shifted_exp(scores)
-    local = local / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
-    empty = row_lse == float("-inf")
-    return torch.where(locates, from_lse, torch.where(empty, torch.zeros_like(local), local))
+    Where ``row_lse`` is these scores' own, rounded, the row is normalised here in full precision (float64
+    stays exact; a row filled with finfo.min everywhere, whose lse lost log(row sum), stays right); else
+    (an lse over more keys, as a ring step passes) P = exp(scores - lse). Rows with lse -inf get none."""
+    local, row_max, row_sum = _shifted_exp(scores)
+    own = (row_max + torch.log(row_sum)).to(row_lse.dtype) == row_lse
+    lse = row_lse.to(scores.dtype)
+    from_lse = torch.exp(scores - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
+    from_lse = torch.where(torch.isfinite(lse), from_lse, torch.zeros_like(from_lse))
+    return torch.where(own, local / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum)), from_lse)
 
 
 def attention_backward(
@@ -192,8 +216,11 @@ def attention_backward(
     is_causal: bool,
     compute_mask_grad: bool,
     window_left: int = -1,
-) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """Gradients of out w.r.t. q, k, v (and the mask when asked), with P = exp(scores - lse).
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Gradients of out w.r.t. q, k, v (the mask's when asked, the sinks' when given), with
+    P = exp(scores - lse).
 
     ``lse`` may cover more keys than these (a ring step passes the global one). Rows whose lse is -inf
     get no gradient; rows whose lse is too large to locate the scores (a row filled with finfo.min
@@ -209,23 +236,38 @@ def attention_backward(
     dk = torch.zeros((b, hkv, hq // hkv, sk, k.shape[-1]), dtype=acc, device=q.device)
     dv = torch.zeros((b, hkv, hq // hkv, sk, v.shape[-1]), dtype=acc, device=q.device)
     dmask = torch.zeros(shape, dtype=acc, device=q.device) if compute_mask_grad else None
+    sink = _sink_logits(sinks, hkv, acc)
+    dsink = None if sinks is None else torch.zeros((1, hkv, hq // hkv, 1, 1), dtype=acc, device=q.device)
     # rowsum(dO * O): the softmax Jacobian's correction term.
     delta = (grad_out.to(acc) * out.to(acc)).sum(-1)
     for rows in _query_blocks(b, hq, sq, sk):
-        scores = _block_scores(q, k, attn_mask, scale, is_causal, window_left, rows, shape, hkv, acc)
-        probs = _probabilities(scores, _group_view(lse[:, :, rows].unsqueeze(-1), hkv).to(acc))
+        capped = _capped_scores(q, k, scale, softcap, rows, hkv, acc)
+        scores = _masked(capped, attn_mask, is_causal, window_left, rows, shape, hkv, acc)
+        row_lse = _group_view(lse[:, :, rows].unsqueeze(-1), hkv)
+        if sink is None:
+            probs = _probabilities(scores, row_lse)
+        else:  # the sink as one more key, with no value
+            probs = _probabilities(torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], -1), row_lse)
+            probs, p_sink = probs[..., :-1], probs[..., -1:]
         d_out = _group_view(grad_out[:, :, rows].to(acc), hkv)
         dv += torch.matmul(probs.transpose(-1, -2), d_out)
         d_probs = torch.matmul(d_out, v_acc.transpose(-1, -2))
-        d_scores = probs * (d_probs - _group_view(delta[:, :, rows].unsqueeze(-1), hkv))
+        row_delta = _group_view(delta[:, :, rows].unsqueeze(-1), hkv)
+        d_scores = probs * (d_probs - row_delta)
         if dmask is not None:
             dmask[:, :, rows] = d_scores.flatten(1, 2)
+        if dsink is not None:  # d(out)/d(sink) = -p_sink * out, so the row's share is -p_sink * delta
+            dsink -= (p_sink * row_delta).sum(dim=(0, 3, 4), keepdim=True)
+        if softcap:  # d(cap * tanh(x / cap)) / dx = 1 - (capped / cap)^2
+            d_scores = d_scores * (1 - (capped / softcap) ** 2)
         dq[:, :, rows] = torch.matmul(d_scores, k_acc).flatten(1, 2) * scale
         dk += torch.matmul(d_scores.transpose(-1, -2), _group_view(q[:, :, rows].to(acc), hkv)) * scale
     grads = (dq.to(q.dtype), dk.sum(2).to(k.dtype), dv.sum(2).to(v.dtype))
     if dmask is not None:
         dmask = _reduce_to_shape(dmask, attn_mask.shape).to(attn_mask.dtype)
-    return (*grads, dmask)
+    if dsink is not None:
+        dsink = dsink.reshape(sinks.shape).to(sinks.dtype)
+    return (*grads, dmask, dsink)
 
 
 def _reduce_to_shape(grad: Tensor, shape: torch.Size) -> Tensor:
@@ -245,9 +287,11 @@ def attention_reference(
     is_causal: bool = False,
     window_left: int = -1,
     empty_rows: int = 0,
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) computed by the reference path, for tests and examples."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     out, lse = empty_outputs(q, v)
-    attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows)
+    attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows, softcap, sinks)
     return out, lse

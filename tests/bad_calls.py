@@ -8,7 +8,8 @@ import torch
 
 
 def bad_calls(device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, tuple]:
-    """{name: (q, k, v, attn_mask, is_causal, window_left, empty_rows)}; the op's scale is any float."""
+    """{name: (q, k, v, attn_mask, is_causal, window_left, empty_rows, softcap, sinks)}; the op's scale is any
+    float."""
 
     def t(*shape, dt=dtype, dev=device):
         return torch.zeros(shape, dtype=dt, device=dev)
@@ -41,4 +42,10 @@ def bad_calls(device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, tup
         calls["float64"] = (q.double(), kv.double(), kv.double(), None, False, -1, 0)
         calls["devices_differ"] = (q, kv.cpu(), kv, None, False, -1, 0)
         calls["mask_on_cpu"] = (q, kv, kv, t(8, 8, dt=torch.bool, dev="cpu"), False, -1, 0)
-    return calls
+        calls["sinks_on_cpu"] = (q, kv, kv, None, False, -1, 0, 0.0, t(4, dt=torch.float32, dev="cpu"))
+    calls["softcap_negative"] = (q, kv, kv, None, False, -1, 0, -1.0, None)
+    calls["softcap_infinite"] = (q, kv, kv, None, False, -1, 0, float("inf"), None)
+    calls["sinks_wrong_heads"] = (q, kv, kv, None, False, -1, 0, 0.0, t(3, dt=torch.float32))
+    calls["sinks_integer"] = (q, kv, kv, None, False, -1, 0, 0.0, t(4, dt=torch.int32))
+    calls["sinks_with_mean_v"] = (q, kv, kv, None, False, -1, 1, 0.0, t(4, dt=torch.float32))
+    return {name: call if len(call) == 9 else (*call, 0.0, None) for name, call in calls.items()}

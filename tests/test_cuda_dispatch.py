@@ -124,13 +124,13 @@ q = torch.zeros(2, 8, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
 kv = torch.zeros(2, 2, 8, 64, dtype=torch.bfloat16)
 mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
 assert _cuda.kernel_unsupported_reason(q, kv, kv, mask, True, 5) == "a reason from C++"
-name, (q_meta, k_meta, v_meta, mask_meta, is_causal, window_left) = calls[-1]
+name, (q_meta, k_meta, v_meta, mask_meta, is_causal, window_left, softcap, has_sinks) = calls[-1]
 assert name == "kernel_unsupported_reason"
 assert q_meta == ((2, 4, 8, 64), (2048, 64, 256, 1), torch.bfloat16, torch.device("cpu"), q.data_ptr()), q_meta
 assert mask_meta == ((2, 1, 1, 8), (8, 8, 8, 1), torch.bool, torch.device("cpu"), mask.data_ptr()), mask_meta
-assert (is_causal, window_left) == (True, 5)
-_cuda.kernel_unsupported_reason(q, kv, kv, None, False)
-assert calls[-1][1][3] is None and calls[-1][1][5] == -1
+assert (is_causal, window_left, softcap, has_sinks) == (True, 5, 0.0, False)
+_cuda.kernel_unsupported_reason(q, kv, kv, None, False, softcap=30.0, sinks=torch.zeros(4))
+assert calls[-1][1][3] is None and calls[-1][1][5:] == (-1, 30.0, True)
 from torch._subclasses.fake_tensor import FakeTensorMode
 with FakeTensorMode():
     fake = torch.empty(1, 2, 8, 64, dtype=torch.bfloat16, device="cuda")

@@ -37,6 +37,17 @@ class CausalGqa(torch.nn.Module):
         return fa2_inductor.flash_attention(q, k, v, is_causal=True)
 
 
+class SoftcapSinks(torch.nn.Module):
+    """The public function with logit soft-capping and attention sinks (a buffer, one per query head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("sinks", torch.linspace(-1.0, 2.0, HEADS_Q))
+
+    def forward(self, q, k, v):
+        return fa2_inductor.flash_attention(q, k, v, is_causal=True, softcap=4.0, sinks=self.sinks)
+
+
 class BoolMaskWindow(torch.nn.Module):
     """The op itself with every argument: a key mask together with a causal window, empty rows = mean of V."""
 
@@ -73,11 +84,12 @@ def _op_module_cases() -> dict:
     cross_dims = ({0: batch, 2: seq}, {0: batch, 2: seq_k}, {0: batch, 2: seq_k}, {2: seq, 3: seq_k})
     qkv = lambda t: (t["q"], t["k"], t["v"])  # noqa: E731
     return {
-        "causal_gqa": (CausalGqa(), qkv(ex), qkv_dims, qkv(run), (HEAD_DIM ** -0.5, True, -1, 0)),
+        "causal_gqa": (CausalGqa(), qkv(ex), qkv_dims, qkv(run), (HEAD_DIM ** -0.5, True, -1, 0, 0.0, None)),
+        "softcap_sinks": (SoftcapSinks(), qkv(ex), qkv_dims, qkv(run), (HEAD_DIM ** -0.5, True, -1, 0, 4.0, "tensor")),
         "bool_mask_window": (BoolMaskWindow(), (*qkv(ex), ex["key_mask"]), (*qkv_dims, {0: batch, 3: seq}),
-                             (*qkv(run), run["key_mask"]), (0.3, True, 3, int(EmptyRows.MEAN_V))),
+                             (*qkv(run), run["key_mask"]), (0.3, True, 3, int(EmptyRows.MEAN_V), 0.0, None)),
         "additive_mask_cross": (AdditiveMaskCross(), (*qkv(ex_cross), ex_cross["additive"]), cross_dims,
-                                (*qkv(run_cross), run_cross["additive"]), (0.25, False, -1, int(EmptyRows.ALL_KEYS))),
+                                (*qkv(run_cross), run_cross["additive"]), (0.25, False, -1, int(EmptyRows.ALL_KEYS), 0.0, None)),
     }
 
 
@@ -114,6 +126,9 @@ _LOAD_AND_RUN = textwrap.dedent(
             self.calls += func.namespace == "fa2_inductor"
             return func(*args, **(kwargs or {}))
 
+    def _as_compared(argument):  # a tensor argument (a graph node) as the word the test expects there
+        return "tensor" if isinstance(argument, torch.fx.Node) else argument
+
     def load(entry):
         if entry["kind"] == "export":
             return torch.export.load(entry["path"])
@@ -140,7 +155,7 @@ _LOAD_AND_RUN = textwrap.dedent(
             op = torch.ops.fa2_inductor.flash_attention_fwd.default
             schema = op._schema.arguments  # export leaves out arguments equal to their defaults
             op_arguments = [
-                tuple(n.args[i] if i < len(n.args) else n.kwargs.get(a.name, a.default_value)
+                tuple(_as_compared(n.args[i] if i < len(n.args) else n.kwargs.get(a.name, a.default_value))
                       for i, a in enumerate(schema))[4:]
                 for n in loaded.graph.nodes if n.target is op
             ]
@@ -215,7 +230,8 @@ def _op_arguments(name: str) -> tuple:
     return _op_module_cases()[name.removesuffix("_aoti")][4]
 
 
-@pytest.mark.parametrize("name", ["causal_gqa", "bool_mask_window", "additive_mask_cross", "bool_mask_window_aoti"])
+@pytest.mark.parametrize("name", ["causal_gqa", "softcap_sinks", "bool_mask_window", "additive_mask_cross",
+                                  "bool_mask_window_aoti"])
 def test_loaded_program_runs_the_op_at_new_shapes_like_eager(round_trips, name):
     cases, _, _ = round_trips
     expected, got = cases[name]

@@ -66,14 +66,6 @@ def test_additive_4d_mask_is_used_as_given():
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
 
 
-def test_softcapping_is_refused_with_a_reason():
-    family = FAMILIES["gemma2"]
-    model = family.build("fa2_inductor")
-    inputs = family.make_inputs(model.config, torch.device("cpu"))
-    with pytest.raises(NotImplementedError, match="softcapping"), torch.no_grad():
-        model(**inputs)
-
-
 def test_training_with_attention_dropout_is_refused():
     family = FAMILIES["llama"]
     model = family.build("fa2_inductor", attention_dropout=0.1).train()

@@ -169,7 +169,7 @@ def _backward(grad_out, q, k, v, out, lse, scale, is_causal, ring):
             next_kv, kv_exchange = ring.start_exchange(kv)
         rows, keys, causal = _block(ring, step, is_causal, local_len)
         # With the final out and LSE, each block's backward gives its exact share of the gradients.
-        block_dq, block_dk, block_dv, _ = torch.ops.fa2_inductor.flash_attention_bwd(
+        block_dq, block_dk, block_dv, *_ = torch.ops.fa2_inductor.flash_attention_bwd(
             _rows(grad_out, rows), _rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys),
             _rows(out, rows), _rows(lse, rows), None, scale, causal, False,
         )

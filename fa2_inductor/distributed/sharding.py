@@ -9,6 +9,8 @@ without communication, when its inputs are sharded along the batch dim or the he
   head (MQA) K/V stay replicated and their gradients come back ``Partial("sum")``.
 - the mask follows the sharded dim where it has that dim at full size; where it broadcasts (size 1, or
   fewer dims) it stays replicated, and its gradient comes back ``Partial("sum")``.
+- the sinks ([Hq]) follow the query heads: ``Shard(0)`` when heads are split, else replicated, their
+  gradient ``Partial("sum")`` when the batch is split.
 - everything replicated is always accepted, so any other placement (sequence-sharded, head-dim-sharded,
   partial, inconsistent GQA heads) is redistributed by DTensor to the cheapest of these instead of failing.
 
@@ -35,10 +37,11 @@ BATCH_DIM, HEAD_DIM = 0, 1
 _QUERY_LIKE = frozenset({"q", "grad_out", "out", "lse"})
 _KEY_LIKE = frozenset({"k", "v"})
 _MASK = "attn_mask"
-# The outputs, in order: (out, lse) and (dq, dk, dv, dmask).
+_SINKS = "sinks"
+# The outputs, in order: (out, lse) and (dq, dk, dv, dmask, dsinks).
 _OUTPUT_ROLES = {
     "flash_attention_fwd": ("query", "query"),
-    "flash_attention_bwd": ("query", "key", "key", "mask_grad"),
+    "flash_attention_bwd": ("query", "key", "key", "mask_grad", "sinks_grad"),
 }
 
 # The ways one mesh dim may split the work: all replicated, by batch, by heads with K/V split alike,
@@ -60,6 +63,8 @@ def _role(name: str) -> str:
         return "key"
     if name == _MASK:
         return "mask"
+    if name == _SINKS:
+        return "sinks"
     raise NotImplementedError(f"fa2_inductor sharding rules: no rule for the op's tensor argument {name!r}")
 
 
@@ -90,6 +95,9 @@ class _Call:
         return by_position + by_keyword
 
     def shape(self, name: str) -> Optional[torch.Size]:
+        """The tensor argument's shape; None when it is not given (or the op has no such argument)."""
+        if all(a.name != name for a in self.schema.arguments):
+            return None
         value = self.get(name)
         return value.shape if isinstance(value, OpStrategy) else None
 
@@ -113,6 +121,7 @@ def _placements(call: _Call, kind: str, output_roles: tuple) -> list:
         query = key = key_grad = Replicate()
         mask = Replicate()
         mask_grad = Replicate()
+        sinks = sinks_grad = Replicate()
     else:
         dim = BATCH_DIM if kind == _BATCH else HEAD_DIM
         query = Shard(dim)
@@ -121,10 +130,14 @@ def _placements(call: _Call, kind: str, output_roles: tuple) -> list:
         mask_shard = _mask_placement(mask_shape, dim, q_shape[dim])
         mask = mask_shard or Replicate()
         mask_grad = mask_shard or Partial()
+        sinks = Replicate() if kind == _BATCH else Shard(0)
+        sinks_grad = Partial() if kind == _BATCH else Shard(0)
     if "mask_grad" in output_roles and (mask_shape is None or not call.get("compute_mask_grad")):
         mask_grad = Replicate()  # the op returns an empty placeholder
-    by_output_role = {"query": query, "key": key_grad, "mask_grad": mask_grad}
-    by_input_role = {"query": query, "key": key, "mask": mask}
+    if call.shape(_SINKS) is None:
+        sinks_grad = Replicate()  # likewise
+    by_output_role = {"query": query, "key": key_grad, "mask_grad": mask_grad, "sinks_grad": sinks_grad}
+    by_input_role = {"query": query, "key": key, "mask": mask, "sinks": sinks}
     return [by_output_role[role] for role in output_roles] + [by_input_role[_role(n)] for n in call.tensor_names()]
 
 
@@ -166,14 +179,16 @@ def _strategy(output_roles: tuple, op_schema: OpSchema) -> OpStrategy:
 
 
 def _schema_info(op: torch._ops.OpOverload) -> RuntimeSchemaInfo:
-    """Every argument from the first non-tensor one on is part of DTensor's cache key (compute_mask_grad
-    decides the dmask output; the rest is cheap to hash and keeps future options safe)."""
+    """Every non-tensor argument is part of DTensor's cache key (compute_mask_grad decides the dmask output;
+    the rest is cheap to hash and keeps future options safe): all arguments from the first non-tensor one
+    on (a tensor among them, e.g. sinks, is keyed by its placement anyway), and every non-tensor keyword."""
     arguments = op._schema.arguments
     for argument in arguments:
         if _is_tensor_argument(argument):
             _role(argument.name)  # fails now for a tensor argument the rules do not know
     first_static = next(i for i, a in enumerate(arguments) if not _is_tensor_argument(a))
-    return RuntimeSchemaInfo(static_argnum=first_static, static_kwargkey=[a.name for a in arguments[first_static:]])
+    return RuntimeSchemaInfo(static_argnum=first_static,
+                             static_kwargkey=[a.name for a in arguments[first_static:] if not _is_tensor_argument(a)])
 
 
 def register_attention_op(op: torch._ops.OpOverload, output_roles: tuple) -> None:

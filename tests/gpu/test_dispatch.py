@@ -181,11 +181,11 @@ def test_runs_on_the_current_stream():
 
 @pytest.mark.parametrize("name", sorted(bad_calls(DEV)))
 def test_input_errors_are_ops_check_inputs_word_for_word(name):
-    q, k, v, mask, is_causal, window_left, empty_rows = bad_calls(DEV)[name]
+    q, k, v, mask, is_causal, window_left, empty_rows, softcap, sinks = bad_calls(DEV)[name]
     with pytest.raises(ValueError) as expected:
-        ops.check_inputs(q, k, v, mask, is_causal, window_left, empty_rows)
+        ops.check_inputs(q, k, v, mask, is_causal, window_left, empty_rows, softcap, sinks)
     with pytest.raises(ValueError) as got:
-        op(q, k, v, mask, 0.5, is_causal, window_left, empty_rows)
+        op(q, k, v, mask, 0.5, is_causal, window_left, empty_rows, softcap, sinks)
     assert str(got.value) == str(expected.value)
 
 
@@ -199,6 +199,8 @@ def _reason_cases():
     q96, k96, v96 = make_qkv(1, 4, 2, 16, 16, 96, DTYPES[DT])
     return {
         "supported": ((q, k, v, mask, True, 3), None),
+        "softcap": ((q, k, v, None, True, -1, 30.0), "softcap (no soft-capping kernel yet)"),
+        "sinks": ((q, k, v, None, True, -1, 0.0, torch.zeros(4, device=DEV)), "attention sinks (no sinks kernel yet)"),
         "window_without_causal": ((q, k, v, None, False, 5), "window_left without is_causal"),
         "mask_float64": ((q, k, v, mask.double(), False), "attn_mask dtype torch.float64 not supported by the kernel"),
         "mask_int32": ((q, k, v, mask.int(), False), "attn_mask dtype torch.int32 not supported by the kernel"),
@@ -367,3 +369,14 @@ def test_the_backend_rewrites_sdpa_into_the_op(fresh_compile):
     assert counters["fa2_inductor"]["rewrites"] == 1, dict(counters["fa2_inductor"])
     assert not any(key.startswith("reference_fallback") for key in counters["fa2_inductor"])
     torch.testing.assert_close(got.float(), attention(q, k, v).float(), atol=3e-2, rtol=2e-2)
+
+
+def test_softcap_and_sinks_run_the_reference_through_the_cpp_path(fresh_counters):
+    """The kernel has neither yet: the C++ implementation hands both arguments to the reference, counted."""
+    q, k, v = make_qkv(2, 4, 2, 40, 40, D, DTYPES[DT])
+    sinks = torch.linspace(-1.0, 2.0, 4, device=DEV)
+    with pytest.warns(UserWarning, match="softcap"):
+        out, lse = op(q, k, v, None, 0.125, True, -1, 0, 30.0, sinks)
+    expected = reference.attention_reference(q, k, v, None, 0.125, True, softcap=30.0, sinks=sinks)
+    _assert_same_bits((out, lse), expected)
+    assert fresh_counters["reference_fallback:softcap (no soft-capping kernel yet)"] == 1
