@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from . import op_table as ops
-from .fx_utils import forward_users, insert_call, is_joint_graph, same_shape, same_size, scalar_value, tensor_val
+from .fx_utils import forward_users, insert_call, is_op, is_joint_graph, same_shape, same_size, scalar_value, tensor_val
 from .precision import chain_rounding_refusal, run_in_input_precision
 from .refusals import Refusal, Refused
 from .site import BHSD, BSHD, FLAT, AttentionSite
@@ -395,33 +395,62 @@ class _Probs:
 
 
 def _walk_down_probs(softmax: Softmax) -> Optional[_Probs]:
-    """The P @ V matmul below a softmax (or why the probabilities reach it changed); None if none follows."""
+    """The P @ V matmul below a softmax, or why the probabilities do not reach one as they are; None
+    when the softmax output is not used at all."""
     node, probs = softmax.output, _Probs(chain=[softmax.output])
     for _ in range(16):
         users = forward_users(node)
         if len(users) != 1:
-            return _Probs(refused=Refused(Refusal.PROBS_USED_ELSEWHERE)) if len(users) > 1 else None
+            if not users:
+                return None if node is softmax.output else _unrecognised_probs(f"{node.target} has no user")
+            return _Probs(refused=Refused(Refusal.PROBS_USED_ELSEWHERE))
         user = users[0]
         if ops.calls(user, *ops.BMM):
             probs.bmm = user
-            return probs if user.args[0] is node else None
+            return probs if user.args[0] is node else _unrecognised_probs("P is the right operand of its matmul")
         if ops.calls(user, *ops.CAST):
             _judge_cast(probs, _dtype(node), _dtype(user), "on the probabilities")
         elif not (_zeroes_empty_rows(user, node, softmax) or ops.calls(user, *_PROBS_LAYOUT)):
-            return _modified_probs(user, node) if _reaches_bmm(user) else None
+            if _reaches_bmm(user):
+                return _modified_probs(user, node, softmax)
+            return _unrecognised_probs(f"they go to {user.target}")
         if probs.refused:
             return probs
         if probs.chain[-1] is node and same_shape(tensor_val(user).shape, tensor_val(softmax.output).shape):
             probs.chain.append(user)  # views that reshape P can only be the matmul's own batching (_anchor_for)
         node = user
-    return None
+    return _unrecognised_probs("no matmul within 16 ops")
 
 
-def _modified_probs(user: fx.Node, probs: fx.Node) -> _Probs:
+def _unrecognised_probs(detail: str) -> _Probs:
+    return _Probs(refused=Refused(Refusal.UNRECOGNISED_PROBS, detail))
+
+
+def _modified_probs(user: fx.Node, probs: fx.Node, softmax: Softmax) -> _Probs:
     if getattr(user.target, "overloadpacket", None) is torch.ops.aten.mul:
         if any(_is_random(a) for a in user.all_input_nodes if a is not probs):
             return _Probs(refused=Refused(Refusal.DROPOUT_ACTIVE))
+    sinks = _sink_logits(softmax)
+    if sinks is not None:
+        return _Probs(refused=Refused(Refusal.ATTENTION_SINKS, sinks))
     return _Probs(refused=Refused(Refusal.PROBS_MODIFIED, ops.unaccepted_use(user) or str(user.target)))
+
+
+def _sink_logits(softmax: Softmax) -> Optional[str]:
+    """gpt-oss's sinks: the softmax runs over ``cat([scores, sinks], -1)`` (its max subtracted first, maybe),
+    and P @ V reads the scores' part back; a description of the cat, or None."""
+    x = softmax.input
+    for _ in range(4):
+        if is_op(x, torch.ops.aten.cat):
+            parts = x.args[0]
+            dim = (x.args[1] if len(x.args) > 1 else 0) % tensor_val(x).dim()
+            if dim == softmax.dim and len(parts) == 2 and _reaches_matmul(parts[0]) and not _reaches_matmul(parts[1]):
+                return f"{tensor_val(parts[1]).shape[-1]} sink logit(s) concatenated to the keys' scores"
+            return None
+        if not (ops.calls(x, *ops.CAST) or ops.calls(x, *ops.SUB)):
+            return None
+        x = x.args[0]
+    return None
 
 
 def _reaches_bmm(node: fx.Node, steps: int = 8) -> bool:
@@ -496,11 +525,42 @@ def attention_shaped(softmax: Softmax) -> bool:
     return _reaches_matmul(softmax.input) and probs is not None and probs.bmm is not None
 
 
+# Ops whose output is no score of an attention: a linear layer (a router's or classifier's logits).
+_LINEAR_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.linear)
+# Batched products of two tensors, i.e. what q @ kᵀ (matmul, einsum, bmm, baddbmm) becomes in ATen.
+_BATCHED_PRODUCTS = (torch.ops.aten.bmm, torch.ops.aten.baddbmm, torch.ops.aten.matmul, torch.ops.aten.einsum)
+_SCORES_SEARCH_NODES = 256  # Longformer's sliding chunks put ~100 ops between its bmm and softmax
+
+
+def scores_product(x: fx.Node) -> tuple[Optional[fx.Node], list]:
+    """(product, ops): the batched product above a softmax input, through any ops but linear layers, and
+    the ops on the way the attention table does not know; (None, ...) when there is none near: the softmax
+    is then over something else than scores (a router, a classifier)."""
+    seen, frontier, unknown = set(), [x], {}
+    while frontier and len(seen) < _SCORES_SEARCH_NODES:
+        node = frontier.pop(0)
+        if node in seen or not isinstance(node, fx.Node) or node.op != "call_function":
+            continue
+        seen.add(node)
+        if is_op(node, *_BATCHED_PRODUCTS):
+            return node, list(unknown)
+        if not is_op(node, *_LINEAR_OPS):
+            frontier.extend(node.all_input_nodes)
+            if node.target not in ops.TABLE:
+                unknown.setdefault(str(node.target), None)
+    return None, []
+
+
 def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
-    """An AttentionSite (possibly refused) for an attention-shaped softmax; None for any other softmax."""
+    """An AttentionSite (possibly refused) for a softmax over scores; None for any other softmax."""
+    product, unknown_ops = scores_product(softmax.input)
     probs = _walk_down_probs(softmax)
-    if probs is None or not _reaches_matmul(softmax.input):
+    if product is None or probs is None:
         return None
+    if not _reaches_matmul(softmax.input):
+        site = AttentionSite("matmul_softmax", softmax.output)
+        through = ", ".join(unknown_ops[:4]) + (", ..." if len(unknown_ops) > 4 else "")
+        return site.refuse(Refusal.UNRECOGNISED_SCORES, f"scores from {product.target}" + (f" through {through}" if through else ""))
     if probs.refused:
         return AttentionSite("matmul_softmax", softmax.output).refuse_as(probs.refused)
     pv = _anchor_for(probs.bmm)
