@@ -65,3 +65,57 @@ def test_router_and_classifier_softmaxes_are_no_sites(cpu_pass):
     x, w = torch.randn(2, 8, 16), torch.randn(16, 4)
     compile_and_compare(lambda x, w: (x @ w).softmax(-1) * 2.0, x, w, rewrites=0)
     assert pass_counts() == {}
+
+
+# --- baddbmm(bias, q, kᵀ, beta=1, alpha=scale): scores with an additive bias (BLOOM's ALiBi, MHA's float mask) ---
+def _flat(t):
+    return t.reshape(-1, *t.shape[2:])
+
+
+def _baddbmm_attention(bias_shape, beta=1.0, alpha=0.25):
+    def fn(q, k, v):
+        bias = torch.linspace(-2.0, 2.0, math.prod(bias_shape)).reshape(bias_shape)
+        scores = torch.baddbmm(bias, _flat(q), _flat(k).transpose(1, 2), beta=beta, alpha=alpha)
+        return scores.softmax(-1) @ _flat(v)
+    return fn
+
+
+def _baddbmm_zero_bias(q, k, v):
+    """GPT-NeoX-Japanese: a zero tensor as the bias, i.e. no mask at all."""
+    zeros = torch.zeros(q.shape[0] * q.shape[1], q.shape[2], k.shape[2])
+    return torch.baddbmm(zeros, _flat(q), _flat(k).transpose(1, 2), alpha=0.25).softmax(-1) @ _flat(v)
+
+
+def _bloom_like(q, k, v):
+    """The product's [B*H, M, K] output viewed as [B, H, M, K] for a padding mask, P viewed back to 3-D."""
+    b, h, s, _ = q.shape
+    alibi = torch.arange(s, dtype=torch.float32).reshape(1, 1, s).expand(b * h, 1, s) * -0.5
+    scores = torch.baddbmm(alibi, _flat(q), _flat(k).transpose(-1, -2), beta=1.0, alpha=0.25).view(b, h, s, -1)
+    visible = torch.ones(b, 1, s, s, dtype=torch.bool)
+    visible[1, ..., -3:] = False
+    scores = scores + torch.zeros(()).masked_fill(torch.tensor(True), torch.finfo(torch.float32).min) * ~visible
+    probs = scores.softmax(-1).view(b * h, s, -1)
+    return (probs @ _flat(v)).view(b, h, s, -1)
+
+
+BADDBMM_REWRITTEN = {
+    "bias_per_key": (_baddbmm_attention((8, 1, 8)), "rewrites:key_mask"),
+    "bias_per_score": (_baddbmm_attention((8, 8, 8), alpha=1.0), "rewrites:mask"),
+    "broadcast_bias": (_baddbmm_attention((1, 8, 8)), "rewrites:mask"),
+    "zero_bias": (_baddbmm_zero_bias, "rewrites:no_mask"),
+    "bloom_like": (_bloom_like, "rewrites:mask"),
+}
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("name", BADDBMM_REWRITTEN)
+def test_baddbmm_bias_is_an_additive_mask(cpu_pass, name, train):
+    fn, form = BADDBMM_REWRITTEN[name]
+    compile_and_compare(fn, *qkv(batch=2, heads=4, seq_q=8, train=train), rewrites=1, train=train)
+    assert pass_counts()[form] == 1
+
+
+@pytest.mark.parametrize("beta", [0.5, 0.0])
+def test_baddbmm_with_beta_other_than_one_is_refused(cpu_pass, beta):
+    compile_and_compare(_baddbmm_attention((8, 1, 8), beta=beta), *qkv(batch=2, heads=4, seq_q=8), rewrites=0)
+    assert pass_counts() == {"refused:unsupported_argument": 1}

@@ -109,7 +109,7 @@ def _reaches_matmul(node: fx.Node, steps: int = 8) -> bool:
     for _ in range(steps):
         if not isinstance(node, fx.Node):
             return False
-        if batched_matmul(node) is not None or ops.calls(node, *ops.BMM):
+        if batched_matmul(node, with_bias=True) is not None or ops.calls(node, *ops.BMM, *ops.BADDBMM):
             return True
         scaled = _scale_factor(node)
         if scaled:
@@ -146,8 +146,10 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
     x, scores = softmax.input, _Scores(rounded_to=set(softmax.rounded_to))
     for _ in range(24):
         if scores.merged_heads is None:
-            scores.matmul = batched_matmul(x)
+            scores.matmul = batched_matmul(x, with_bias=True)
             if scores.matmul is not None:
+                if scores.matmul.bias is not None:
+                    _bias_of_product(scores, scores.matmul)
                 return scores
         elif _splits_heads(x, scores.merged_heads):
             _flatten_masks(scores, x)
@@ -216,6 +218,52 @@ def _additive_mask(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
         if alpha != 1 and x is b:
             scores.factors.append((alpha, False))  # applied to the scores before the mask is added
     return x
+
+
+def _bias_of_product(scores: _Scores, matmul: BatchedMatmul) -> None:
+    """``baddbmm(bias, q, kᵀ, beta=1, alpha=a)`` is ``a * (q @ kᵀ) + bias``: the scale a, and the bias as an
+    additive mask (BLOOM's ALiBi, F.multi_head_attention_forward's float attn_mask); a zero bias is none."""
+    product = matmul.bmm
+    beta, alpha, bias = ops.arg(product, "beta"), ops.arg(product, "alpha"), matmul.bias
+    if not (_is_number(beta) and beta == 1 and _is_number(alpha) and math.isfinite(alpha)):
+        scores.refused = Refused(Refusal.UNSUPPORTED_ARGUMENT, f"{product.target} with beta={beta!r}, alpha={alpha!r}")
+        return
+    if alpha != 1:
+        scores.factors.append((alpha, False))
+    if _fill_value(bias, product) == 0:
+        return
+    if not _dtype(bias).is_floating_point:
+        scores.refused = Refused(Refusal.NON_FLOAT_ADDITIVE_MASK, str(_dtype(bias)))
+    elif len(scores.factors) > (alpha != 1):
+        scores.refused = Refused(Refusal.SCALE_AFTER_MASK, "the scores of a baddbmm with a bias are scaled")
+    elif scores.mask_negated or any(_is_bool(m) for m in scores.masks):
+        scores.refused = Refused(Refusal.SEVERAL_MASKS)
+    elif any(not ops.widens(_dtype(bias), d) for d in scores.rounded_to):
+        scores.refused = Refused(Refusal.VALUE_CHANGING_CAST, f"a {_dtype(bias)} bias rounded with the scores")
+    else:
+        mask = _bias_as_scores_mask(bias, matmul)
+        if mask is None:
+            scores.refused = Refused(Refusal.UNRECOGNISED_LAYOUT, "a baddbmm bias over symbolic batch sizes")
+        else:
+            scores.masks.append(_mask_for_flat_scores(mask, scores, matmul.out))
+
+
+def _bias_as_scores_mask(bias: fx.Node, matmul: BatchedMatmul) -> Optional[fx.Node]:
+    """The [N|1, M|1, K|1] bias of the product as a mask of its logical [.., M, K] output (a view)."""
+    bias_shape, out_shape = tensor_val(bias).shape, tensor_val(matmul.out).shape
+    if matmul.batch_rank == 1 and len(bias_shape) == 3:
+        return bias
+    if len(bias_shape) < 3 or same_size(bias_shape[-3], 1):
+        size = [1] * (len(out_shape) - 2) + list(bias_shape[-2:])
+    elif all(isinstance(d, int) for d in out_shape[:-2]):
+        size = list(out_shape[:-2]) + list(bias_shape[-2:])
+    else:
+        return None
+    user = matmul.out
+    with user.graph.inserting_before(user):
+        view = insert_call(user.graph, torch.ops.aten.view.default, (bias, size))
+    _tag_like(user, [view])
+    return view
 
 
 def _scaled_mask(mask: fx.Node, alpha, add: fx.Node) -> fx.Node:

@@ -64,6 +64,7 @@ _SPECS = [
     _rule("dim", aten.all, "self", "dim", keepdim=True),
     # matmul and layout: same values, other views of them
     _rule("default", aten.bmm, "self", "mat2"),
+    _rule("default", aten.baddbmm, "self", "batch1", "batch2", "beta", "alpha"),  # the matcher judges beta, alpha
     _rule("default", aten.view, "self", "size"),
     _rule("default", aten._unsafe_view, "self", "size"),
     _rule("default", aten.reshape, "self", "shape"),
@@ -129,6 +130,7 @@ NOT = overloads(aten.logical_not, "default")
 ANY = overloads(aten.any, "dim")
 ALL = overloads(aten.all, "dim")
 BMM = overloads(aten.bmm, "default")
+BADDBMM = overloads(aten.baddbmm, "default")
 VIEW = overloads(aten.view, "default") + overloads(aten._unsafe_view, "default") + overloads(aten.reshape, "default")
 PERMUTE = overloads(aten.permute, "default")
 EXPAND = overloads(aten.expand, "default")
