@@ -119,3 +119,44 @@ def test_baddbmm_bias_is_an_additive_mask(cpu_pass, name, train):
 def test_baddbmm_with_beta_other_than_one_is_refused(cpu_pass, beta):
     compile_and_compare(_baddbmm_attention((8, 1, 8), beta=beta), *qkv(batch=2, heads=4, seq_q=8), rewrites=0)
     assert pass_counts() == {"refused:unsupported_argument": 1}
+
+
+# --- q, k, v as any permuted view: each operand's permutation is its layout ---------------------------
+def _sequence_first(q, k, v):
+    """F.multi_head_attention_forward, FSMT, WavLM: [S, B*H, D] tensors, the bmm on their transposes."""
+    q, k, v = (t.reshape(-1, *t.shape[2:]).transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v))
+    return torch.bmm(torch.bmm(q * 0.25, k.transpose(1, 2)).softmax(-1), v)
+
+
+def _head_dim_before_sequence(q, k, v):
+    """SqueezeBERT: q and v held as [B, H, D, S] (1x1 convolutions' layout), k used as is."""
+    q, k, v = (t.transpose(-1, -2).contiguous() for t in (q, k, v))
+    scores = q.transpose(-1, -2) @ k * 0.25
+    return (scores.softmax(-1) @ v.transpose(-1, -2)).transpose(-1, -2)
+
+
+LAYOUTS = {"sequence_first": _sequence_first, "head_dim_before_sequence": _head_dim_before_sequence}
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_permuted_operands_are_taken_as_views(cpu_pass, name, train):
+    compile_and_compare(LAYOUTS[name], *qkv(seq_q=8, seq_k=12, train=train), rewrites=1, train=train)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_module(cpu_pass, need_weights):
+    """nn.MultiheadAttention (sequence first) with a float mask: rewritten; returning the head-averaged
+    weights too, the probabilities are read elsewhere."""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(32, 4).eval()
+    x = torch.randn(10, 2, 32)
+    bias = torch.randn(10, 10)
+
+    def fn(x, bias):
+        out, weights = mha(x, x, x, attn_mask=bias, need_weights=need_weights)
+        return out if weights is None else (out, weights)
+
+    with torch.no_grad():
+        compile_and_compare(fn, x, bias, rewrites=int(not need_weights))
+    assert pass_counts().get("refused:probs_used_elsewhere", 0) == int(need_weights), pass_counts()

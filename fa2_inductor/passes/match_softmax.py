@@ -18,13 +18,11 @@ from . import op_table as ops
 from .fx_utils import forward_users, insert_call, is_op, is_joint_graph, same_shape, same_size, scalar_value, tensor_val
 from .precision import chain_rounding_refusal, run_in_input_precision
 from .refusals import Refusal, Refused
-from .site import BHSD, BSHD, FLAT, AttentionSite
+from .site import BHSD, FLAT, AttentionSite
 from .views import BatchedMatmul, Operand, batched_matmul, repeated_heads, strip_views, undoes_a_view
 
 # Random number ops by name: some (prims.inductor_random) exist only once Inductor is loaded.
 _RANDOM_OP_NAMES = frozenset({"rand", "rand_like", "randn", "bernoulli", "native_dropout", "inductor_random", "inductor_seeds"})
-_LAYOUTS_QV = {(0, 1, 2, 3): BHSD, (0, 2, 1, 3): BSHD, (0, 1, 2): FLAT}
-_LAYOUTS_KT = {(0, 1, 3, 2): BHSD, (0, 2, 3, 1): BSHD, (0, 2, 1): FLAT}
 # A fill at most this large (and finite in float32) is an additive mask: s + fill rounds to fill in
 # float32 for every |s| < 2**103, so masked scores, and rows with every key masked, come out as in eager.
 _ABSORBING_FILL = -(2.0**127)
@@ -632,14 +630,9 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     q, q_dims, q_factors = q_side
     k, kt_dims, k_factors = k_side
     v, v_dims = pv.rhs.source, pv.rhs.dims
-    layouts = {
-        "q": _LAYOUTS_QV.get(tuple(q_dims)),
-        "k": _LAYOUTS_KT.get(tuple(kt_dims)),
-        "v": _LAYOUTS_QV.get(tuple(v_dims)),
-        "out": FLAT if pv.batch_rank == 1 else BHSD,
-    }
-    if None in layouts.values():
-        return site.refuse(Refusal.UNRECOGNISED_LAYOUT, f"q {q_dims}, kT {kt_dims}, v {v_dims}")
+    # Each operand is a permuted view of its source (views.Operand): that permutation is its layout.
+    k_dims = [*kt_dims[:-2], kt_dims[-1], kt_dims[-2]]
+    layouts = {"q": tuple(q_dims), "k": tuple(k_dims), "v": tuple(v_dims), "out": FLAT if pv.batch_rank == 1 else BHSD}
     site.q, site.k, site.v, site.layouts = q, k, v, layouts
     _record_scale(site, scores.factors, q_factors, k_factors)
     site.mask = scores.masks[0] if scores.masks else None
