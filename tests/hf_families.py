@@ -253,6 +253,12 @@ def _wavlm_config(hidden: int):
     )
 
 
+def _xglm_config(hidden: int):
+    from transformers import XGLMConfig
+
+    return XGLMConfig(vocab_size=VOCAB, d_model=hidden, num_layers=LAYERS, attention_heads=HEADS, ffn_dim=2 * hidden)
+
+
 def _gpt_oss_config(hidden: int):
     from transformers import GptOssConfig
 
@@ -302,6 +308,8 @@ FAMILIES = {
                tags=frozenset({"alibi", "baddbmm"}), impls=EAGER_ONLY),
         Family("gpt_neox_japanese", _gpt_neox_japanese_config, "GPTNeoXJapaneseForCausalLM", _decoder_inputs,
                _decoder_sites, tags=frozenset({"baddbmm"}), impls=EAGER_ONLY),
+        # max(scores + mask, finfo.min) before the softmax; P viewed as [B, H, M, K] and back.
+        Family("xglm", _xglm_config, "XGLMForCausalLM", _decoder_inputs, lambda c: c.num_layers, impls=EAGER_ONLY),
         Family("falcon", _falcon_config, "FalconForCausalLM", _decoder_inputs, _decoder_sites, tags=frozenset({"mqa"})),
         Family("squeezebert", _squeezebert_config, "SqueezeBertModel", _decoder_inputs, _decoder_sites,
                tags=frozenset({"encoder", "permuted_layout"}), impls=EAGER_ONLY),

@@ -160,3 +160,23 @@ def test_multihead_attention_module(cpu_pass, need_weights):
     with torch.no_grad():
         compile_and_compare(fn, x, bias, rewrites=int(not need_weights))
     assert pass_counts().get("refused:probs_used_elsewhere", 0) == int(need_weights), pass_counts()
+
+
+# --- a clamp from below at the dtype's lowest value (XGLM) is the identity on finite scores --------------
+def _clamped(bound):
+    def fn(q, k, v):
+        b, h, s, _ = q.shape
+        visible = torch.ones(b, 1, s, s, dtype=torch.bool).tril()
+        mask = torch.zeros(b, 1, s, s).masked_fill(~visible, torch.finfo(torch.float32).min)
+        scores = torch.max(q @ k.transpose(-1, -2) + mask, torch.tensor(bound))
+        return scores.softmax(-1) @ v
+    return fn
+
+
+def test_clamp_at_the_lowest_value_is_no_transform(cpu_pass):
+    compile_and_compare(_clamped(torch.finfo(torch.float32).min), *qkv(), rewrites=1)
+
+
+def test_clamp_above_the_lowest_value_is_refused(cpu_pass):
+    compile_and_compare(_clamped(-1.0), *qkv(), rewrites=0)
+    assert pass_counts() == {"refused:score_transform": 1}

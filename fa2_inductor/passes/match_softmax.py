@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from . import op_table as ops
 from .fx_utils import forward_users, insert_call, is_op, is_joint_graph, same_shape, same_size, scalar_value, tensor_val
+from .mask_structure import constant_value
 from .precision import chain_rounding_refusal, run_in_input_precision
 from .refusals import Refusal, Refused
 from .site import BHSD, FLAT, AttentionSite
@@ -166,6 +167,8 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
             x = _where_mask(scores, x)
         elif undoes_a_view(x):
             x = x.args[0].args[0]
+        elif _clamped_at_lowest(x) is not None:
+            x = _clamped_at_lowest(x)
         elif scores.merged_heads is None and _merges_heads(x):
             x = x.args[0]
             scores.merged_heads = tuple(tensor_val(x).shape)
@@ -216,6 +219,21 @@ def _additive_mask(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
         if alpha != 1 and x is b:
             scores.factors.append((alpha, False))  # applied to the scores before the mask is added
     return x
+
+
+def _clamped_at_lowest(node: fx.Node) -> Optional[fx.Node]:
+    """The clamped tensor of ``max(x, c)`` / ``clamp_min(x, c)`` with c at or below the dtype's lowest
+    finite value (XGLM's guard against -inf): the identity on every finite score."""
+    if not ops.calls(node, *ops.CLAMP_LOW):
+        return None
+    x, bound = node.args[0], node.args[1]
+    if not isinstance(x, fx.Node) or _dtype(x) != _dtype(node) or not _dtype(node).is_floating_point:
+        return None
+    if isinstance(bound, fx.Node) and (tensor_val(bound) is None or tensor_val(bound).dim() > 0):
+        return None  # a bound that broadcasts the scores to another shape is no plain clamp
+    with torch.utils._python_dispatch._disable_current_modes():  # a graph constant is read as a real tensor
+        value = constant_value(bound)
+    return x if value is not None and value <= torch.finfo(_dtype(node)).min else None
 
 
 def _bias_of_product(scores: _Scores, matmul: BatchedMatmul) -> None:
@@ -464,6 +482,8 @@ def _walk_down_probs(softmax: Softmax) -> Optional[_Probs]:
             return probs
         if probs.chain[-1] is node and same_shape(tensor_val(user).shape, tensor_val(softmax.output).shape):
             probs.chain.append(user)  # views that reshape P can only be the matmul's own batching (_anchor_for)
+        elif undoes_a_view(user) and user.args[0].args[0] is probs.chain[-1]:
+            probs.chain.append(user)  # XGLM: P viewed as [B, H, M, K] and back
         node = user
     return _unrecognised_probs("no matmul within 16 ops")
 
@@ -551,18 +571,22 @@ def _is_random(node, depth: int = 4) -> bool:
     return name in _RANDOM_OP_NAMES or any(_is_random(a, depth - 1) for a in node.all_input_nodes)
 
 
-def _anchor_for(bmm: fx.Node) -> Optional[BatchedMatmul]:
-    """P @ V in its logical layout: the outermost of bmm itself, its batch-split view, einsum's re-layout."""
-    node, found = bmm, None
+def _anchor_for(bmm: fx.Node, probs_chain: list) -> Optional[BatchedMatmul]:
+    """P @ V in its logical layout: the outermost of bmm itself, its batch-split view, einsum's re-layout
+    whose left operand is the probabilities as the softmax gave them (XGLM's P, viewed as [B, H, M, K] and
+    back, is only so for the 3-D product)."""
+    node, found, found_on_probs = bmm, None, None
     for _ in range(6):
         matmul = batched_matmul(node)
         if matmul is not None and matmul.bmm is bmm:
             found = matmul
+            if matmul.lhs.source in probs_chain:
+                found_on_probs = matmul
         users = list(node.users)
         if len(users) != 1 or not ops.calls(users[0], *ops.VIEW, *ops.PERMUTE):
-            return found
+            break
         node = users[0]
-    return found
+    return found_on_probs or found
 
 
 def attention_shaped(softmax: Softmax) -> bool:
@@ -609,7 +633,7 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
         return site.refuse(Refusal.UNRECOGNISED_SCORES, f"scores from {product.target}" + (f" through {through}" if through else ""))
     if probs.refused:
         return AttentionSite("matmul_softmax", softmax.output).refuse_as(probs.refused)
-    pv = _anchor_for(probs.bmm)
+    pv = _anchor_for(probs.bmm, probs.chain)
     site = AttentionSite("matmul_softmax", pv.out if pv else probs.bmm)
     if softmax.refused:
         return site.refuse_as(softmax.refused)

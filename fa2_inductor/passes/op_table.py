@@ -49,6 +49,9 @@ _SPECS = [
     _rule("ScalarOther", aten.where, "condition", "self", "other"),
     _rule("Scalar", aten.where, "condition", "self", "other"),
     _rule("default", aten.full, "size", "fill_value", "dtype", inert=_FACTORY_INERT),
+    # a clamp from below (XGLM's max(scores, finfo.min)): the matcher judges the bound
+    _rule("default", aten.maximum, "self", "other"),
+    _rule("default", aten.clamp_min, "self", "min"),
     _rule("default", aten.scalar_tensor, "s", "dtype", inert=_FACTORY_INERT),
     # casts (judged by the matcher with ``widens``)
     _rule("default", prims.convert_element_type, "a", "dtype"),
@@ -119,6 +122,7 @@ ADD = overloads(aten.add, "Tensor")
 SUB = overloads(aten.sub, "Tensor")
 WHERE = overloads(aten.where, "self", "ScalarSelf", "ScalarOther", "Scalar")
 FILL = overloads(aten.full, "default") + overloads(aten.scalar_tensor, "default")
+CLAMP_LOW = overloads(aten.maximum, "default") + overloads(aten.clamp_min, "default")
 CAST = overloads(prims.convert_element_type, "default")
 SOFTMAX = overloads(aten._softmax, "default")
 SAFE_SOFTMAX = overloads(aten._safe_softmax, "default")
