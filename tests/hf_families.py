@@ -32,6 +32,7 @@ class Family:
     count_attention_sites: Callable[[object], int]
     # Why the pass must refuse this family's attention sites; None when they must all be rewritten.
     refusal: str | None = None
+    # "outside_attention_interface": some attention is not routed through transformers' AttentionInterface.
     tags: frozenset = field(default_factory=frozenset)
     impls: tuple = ("eager", "sdpa")  # the attention implementations transformers has for the family
 
@@ -310,12 +311,13 @@ FAMILIES = {
                _decoder_sites, tags=frozenset({"baddbmm"}), impls=EAGER_ONLY),
         # max(scores + mask, finfo.min) before the softmax; P viewed as [B, H, M, K] and back.
         Family("xglm", _xglm_config, "XGLMForCausalLM", _decoder_inputs, lambda c: c.num_layers, impls=EAGER_ONLY),
-        Family("falcon", _falcon_config, "FalconForCausalLM", _decoder_inputs, _decoder_sites, tags=frozenset({"mqa"})),
+        Family("falcon", _falcon_config, "FalconForCausalLM", _decoder_inputs, _decoder_sites,
+               tags=frozenset({"mqa", "outside_attention_interface"})),
         Family("squeezebert", _squeezebert_config, "SqueezeBertModel", _decoder_inputs, _decoder_sites,
                tags=frozenset({"encoder", "permuted_layout"}), impls=EAGER_ONLY),
         # The pooling head's nn.MultiheadAttention is one more site (sequence-first layout).
         Family("siglip_vision", _siglip_vision_config, "SiglipVisionModel", _image_inputs, lambda c: c.num_hidden_layers + 1,
-               tags=frozenset({"encoder", "multihead_attention"})),
+               tags=frozenset({"encoder", "multihead_attention", "outside_attention_interface"})),
         # F.multi_head_attention_forward with the gated relative position bias as its float attn_mask.
         Family("wavlm", _wavlm_config, "WavLMModel", _audio_inputs, _decoder_sites,
                tags=frozenset({"encoder", "multihead_attention", "position_bias"}), impls=EAGER_ONLY),
