@@ -32,7 +32,9 @@ class Family:
     count_attention_sites: Callable[[object], int]
     # Why the pass must refuse this family's attention sites; None when they must all be rewritten.
     refusal: str | None = None
+    # "outside_attention_interface": some attention is not routed through transformers' AttentionInterface.
     tags: frozenset = field(default_factory=frozenset)
+    impls: tuple = ("eager", "sdpa")  # the attention implementations transformers has for the family
 
     def build(self, attn_implementation: str, dtype=torch.float32, device="cpu", hidden=HIDDEN, **config_overrides):
         """The model with seeded random weights, in eval mode; head_dim = hidden // HEADS."""
@@ -203,6 +205,87 @@ def _gemma2_config(hidden: int):
     )
 
 
+def _bloom_config(hidden: int):
+    from transformers import BloomConfig
+
+    return BloomConfig(vocab_size=VOCAB, hidden_size=hidden, n_layer=LAYERS, n_head=HEADS)
+
+
+def _gpt_neox_japanese_config(hidden: int):
+    from transformers import GPTNeoXJapaneseConfig
+
+    return GPTNeoXJapaneseConfig(
+        vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_multiple_size=2, max_position_embeddings=MAX_POSITIONS, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,
+    )
+
+
+def _falcon_config(hidden: int):
+    from transformers import FalconConfig
+
+    return FalconConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=LAYERS, num_attention_heads=HEADS)
+
+
+def _squeezebert_config(hidden: int):
+    from transformers import SqueezeBertConfig
+
+    return SqueezeBertConfig(
+        vocab_size=VOCAB, hidden_size=hidden, embedding_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, max_position_embeddings=MAX_POSITIONS,
+    )
+
+
+def _siglip_vision_config(hidden: int):
+    from transformers import SiglipVisionConfig
+
+    return SiglipVisionConfig(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        image_size=32, patch_size=8,
+    )
+
+
+def _wavlm_config(hidden: int):
+    from transformers import WavLMConfig
+
+    return WavLMConfig(
+        hidden_size=hidden, num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=2 * hidden,
+        conv_dim=(32, 32), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, num_buckets=32, max_bucket_distance=64,
+    )
+
+
+def _xglm_config(hidden: int):
+    from transformers import XGLMConfig
+
+    return XGLMConfig(vocab_size=VOCAB, d_model=hidden, num_layers=LAYERS, attention_heads=HEADS, ffn_dim=2 * hidden)
+
+
+def _gpt_oss_config(hidden: int):
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS // 2, head_dim=hidden // HEADS, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=SEQ // 2, max_position_embeddings=MAX_POSITIONS,
+    )
+
+
+def _longformer_config(hidden: int):
+    from transformers import LongformerConfig
+
+    return LongformerConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, attention_window=4, max_position_embeddings=MAX_POSITIONS,
+    )
+
+
+def _audio_inputs(config, device) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    return {"input_values": torch.randn((BATCH, 1600), generator=gen).to(device)}
+
+
+EAGER_ONLY = ("eager",)
+
 FAMILIES = {
     f.name: f
     for f in (
@@ -222,6 +305,27 @@ FAMILIES = {
         Family("gemma", _gemma_config, "GemmaForCausalLM", _decoder_inputs, _decoder_sites, tags=frozenset({"mqa"})),
         Family("gemma2", _gemma2_config, "Gemma2ForCausalLM", _decoder_inputs, _decoder_sites,
                refusal="softcap", tags=frozenset({"gqa", "sliding_window", "softcap"})),
+        Family("bloom", _bloom_config, "BloomForCausalLM", _decoder_inputs, lambda c: c.n_layer,
+               tags=frozenset({"alibi", "baddbmm"}), impls=EAGER_ONLY),
+        Family("gpt_neox_japanese", _gpt_neox_japanese_config, "GPTNeoXJapaneseForCausalLM", _decoder_inputs,
+               _decoder_sites, tags=frozenset({"baddbmm"}), impls=EAGER_ONLY),
+        # max(scores + mask, finfo.min) before the softmax; P viewed as [B, H, M, K] and back.
+        Family("xglm", _xglm_config, "XGLMForCausalLM", _decoder_inputs, lambda c: c.num_layers, impls=EAGER_ONLY),
+        Family("falcon", _falcon_config, "FalconForCausalLM", _decoder_inputs, _decoder_sites,
+               tags=frozenset({"mqa", "outside_attention_interface"})),
+        Family("squeezebert", _squeezebert_config, "SqueezeBertModel", _decoder_inputs, _decoder_sites,
+               tags=frozenset({"encoder", "permuted_layout"}), impls=EAGER_ONLY),
+        # The pooling head's nn.MultiheadAttention is one more site (sequence-first layout).
+        Family("siglip_vision", _siglip_vision_config, "SiglipVisionModel", _image_inputs, lambda c: c.num_hidden_layers + 1,
+               tags=frozenset({"encoder", "multihead_attention", "outside_attention_interface"})),
+        # F.multi_head_attention_forward with the gated relative position bias as its float attn_mask.
+        Family("wavlm", _wavlm_config, "WavLMModel", _audio_inputs, _decoder_sites,
+               tags=frozenset({"encoder", "multihead_attention", "position_bias"}), impls=EAGER_ONLY),
+        Family("gpt_oss", _gpt_oss_config, "GptOssForCausalLM", _decoder_inputs, _decoder_sites,
+               refusal="attention_sinks", tags=frozenset({"gqa", "sinks"}), impls=EAGER_ONLY),
+        # Sliding chunks: its scores are assembled from diagonals of chunked products.
+        Family("longformer", _longformer_config, "LongformerModel", _decoder_inputs, _decoder_sites,
+               refusal="unrecognised_scores", tags=frozenset({"encoder", "sliding_chunks"}), impls=EAGER_ONLY),
     )
 }
 

@@ -34,7 +34,7 @@ IMPLS = ("eager", "sdpa")
 # Variants: the family's own inputs (right padding where the family has a padding mask); Llama with no
 # mask at all, whose mask HF builds as a pure causal one; Llama with left padding, whose padded query rows
 # see no key at all (eager gives them finite values: the compiled model must too).
-CASES = [(name, impl, "padded") for name in FAMILIES for impl in IMPLS] + [
+CASES = [(name, impl, "padded") for name, family in FAMILIES.items() for impl in family.impls] + [
     ("llama", impl, variant) for variant in ("causal", "left_padded") for impl in IMPLS
 ]
 

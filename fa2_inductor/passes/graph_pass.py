@@ -22,7 +22,7 @@ from .match_softmax import match_softmax_attention, softmax_at
 from . import mask_structure
 from .refusals import Refusal
 from .rewrite import BackwardRegion, backward_region, forward_region, rewrite_site
-from .site import BSHD, AttentionSite
+from .site import AttentionSite
 from .support import backward_refusal_reason, refusal_reason
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,9 +40,7 @@ def match_site(node: fx.Node) -> Optional[AttentionSite]:
 
 def _sequence_lengths(site: AttentionSite) -> tuple:
     q_shape, k_shape = site.q.meta["val"].shape, site.k.meta["val"].shape
-    seq_q = q_shape[1] if site.layouts["q"] == BSHD else q_shape[-2]
-    seq_k = k_shape[1] if site.layouts["k"] == BSHD else k_shape[-2]
-    return seq_q, seq_k
+    return q_shape[site.layouts["q"][-2]], k_shape[site.layouts["k"][-2]]
 
 
 def _simplify_mask(site: AttentionSite) -> None:

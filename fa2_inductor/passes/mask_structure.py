@@ -160,8 +160,8 @@ def _visibility(mask: fx.Node, negated: bool) -> Optional[_Visibility]:
         return None
     dtypes = [tensor_val(where).dtype, *casts]
     for zero, fill, cond_negated in ((if_true, if_false, False), (if_false, if_true, True)):
-        empty_rows = _empty_rows_of_fill(_cast(_constant_value(fill), dtypes))
-        if _cast(_constant_value(zero), dtypes) == 0.0 and empty_rows is not None:
+        empty_rows = _empty_rows_of_fill(_cast(constant_value(fill), dtypes))
+        if _cast(constant_value(zero), dtypes) == 0.0 and empty_rows is not None:
             return _Visibility(_conjunction_terms(condition, cond_negated), empty_rows)
     return None
 
@@ -194,18 +194,18 @@ def _undoes_padding(slice_node: fx.Node) -> bool:
     return isinstance(end, int) and end == source.shape[-1]
 
 
-def _constant_value(node) -> Optional[float]:
+def constant_value(node) -> Optional[float]:
     """The single value of a number, a 0-d constant op, or a graph constant whose elements are all equal."""
     if isinstance(node, (int, float)) and not isinstance(node, bool):
         return float(node)
     if is_op(node, aten.scalar_tensor):
-        return _constant_value(node.args[0])
+        return constant_value(node.args[0])
     if is_op(node, aten.full) and len(node.args) > 1:
-        return _constant_value(node.args[1])
+        return constant_value(node.args[1])
     if is_op(node, aten.lift_fresh_copy, aten.clone, aten.alias):
-        return _constant_value(node.args[0])
+        return constant_value(node.args[0])
     if is_op(node, prims.convert_element_type):
-        return _cast(_constant_value(node.args[0]), [node.args[1]])
+        return _cast(constant_value(node.args[0]), [node.args[1]])
     if isinstance(node, fx.Node) and node.op == "get_attr":
         constant = getattr(node.graph.owning_module, node.target, None)
         if isinstance(constant, torch.Tensor) and constant.numel() > 0:

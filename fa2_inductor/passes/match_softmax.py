@@ -15,16 +15,15 @@ import torch
 import torch.fx as fx
 
 from . import op_table as ops
-from .fx_utils import forward_users, insert_call, is_joint_graph, same_shape, same_size, scalar_value, tensor_val
+from .fx_utils import forward_users, insert_call, is_op, is_joint_graph, same_shape, same_size, scalar_value, tensor_val
+from .mask_structure import constant_value
 from .precision import chain_rounding_refusal, run_in_input_precision
 from .refusals import Refusal, Refused
-from .site import BHSD, BSHD, FLAT, AttentionSite
+from .site import BHSD, FLAT, AttentionSite
 from .views import BatchedMatmul, Operand, batched_matmul, repeated_heads, strip_views, undoes_a_view
 
 # Random number ops by name: some (prims.inductor_random) exist only once Inductor is loaded.
 _RANDOM_OP_NAMES = frozenset({"rand", "rand_like", "randn", "bernoulli", "native_dropout", "inductor_random", "inductor_seeds"})
-_LAYOUTS_QV = {(0, 1, 2, 3): BHSD, (0, 2, 1, 3): BSHD, (0, 1, 2): FLAT}
-_LAYOUTS_KT = {(0, 1, 3, 2): BHSD, (0, 2, 3, 1): BSHD, (0, 2, 1): FLAT}
 # A fill at most this large (and finite in float32) is an additive mask: s + fill rounds to fill in
 # float32 for every |s| < 2**103, so masked scores, and rows with every key masked, come out as in eager.
 _ABSORBING_FILL = -(2.0**127)
@@ -109,7 +108,7 @@ def _reaches_matmul(node: fx.Node, steps: int = 8) -> bool:
     for _ in range(steps):
         if not isinstance(node, fx.Node):
             return False
-        if batched_matmul(node) is not None or ops.calls(node, *ops.BMM):
+        if batched_matmul(node, with_bias=True) is not None or ops.calls(node, *ops.BMM, *ops.BADDBMM):
             return True
         scaled = _scale_factor(node)
         if scaled:
@@ -146,8 +145,10 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
     x, scores = softmax.input, _Scores(rounded_to=set(softmax.rounded_to))
     for _ in range(24):
         if scores.merged_heads is None:
-            scores.matmul = batched_matmul(x)
+            scores.matmul = batched_matmul(x, with_bias=True)
             if scores.matmul is not None:
+                if scores.matmul.bias is not None:
+                    _bias_of_product(scores, scores.matmul)
                 return scores
         elif _splits_heads(x, scores.merged_heads):
             _flatten_masks(scores, x)
@@ -166,6 +167,8 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
             x = _where_mask(scores, x)
         elif undoes_a_view(x):
             x = x.args[0].args[0]
+        elif _clamped_at_lowest(x) is not None:
+            x = _clamped_at_lowest(x)
         elif scores.merged_heads is None and _merges_heads(x):
             x = x.args[0]
             scores.merged_heads = tuple(tensor_val(x).shape)
@@ -216,6 +219,67 @@ def _additive_mask(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
         if alpha != 1 and x is b:
             scores.factors.append((alpha, False))  # applied to the scores before the mask is added
     return x
+
+
+def _clamped_at_lowest(node: fx.Node) -> Optional[fx.Node]:
+    """The clamped tensor of ``max(x, c)`` / ``clamp_min(x, c)`` with c at or below the dtype's lowest
+    finite value (XGLM's guard against -inf): the identity on every finite score."""
+    if not ops.calls(node, *ops.CLAMP_LOW):
+        return None
+    x, bound = node.args[0], node.args[1]
+    if not isinstance(x, fx.Node) or _dtype(x) != _dtype(node) or not _dtype(node).is_floating_point:
+        return None
+    if isinstance(bound, fx.Node) and (tensor_val(bound) is None or tensor_val(bound).dim() > 0):
+        return None  # a bound that broadcasts the scores to another shape is no plain clamp
+    with torch.utils._python_dispatch._disable_current_modes():  # a graph constant is read as a real tensor
+        value = constant_value(bound)
+    return x if value is not None and value <= torch.finfo(_dtype(node)).min else None
+
+
+def _bias_of_product(scores: _Scores, matmul: BatchedMatmul) -> None:
+    """``baddbmm(bias, q, kᵀ, beta=1, alpha=a)`` is ``a * (q @ kᵀ) + bias``: the scale a, and the bias as an
+    additive mask (BLOOM's ALiBi, F.multi_head_attention_forward's float attn_mask); a zero bias is none."""
+    product = matmul.bmm
+    beta, alpha, bias = ops.arg(product, "beta"), ops.arg(product, "alpha"), matmul.bias
+    if not (_is_number(beta) and beta == 1 and _is_number(alpha) and math.isfinite(alpha)):
+        scores.refused = Refused(Refusal.UNSUPPORTED_ARGUMENT, f"{product.target} with beta={beta!r}, alpha={alpha!r}")
+        return
+    if alpha != 1:
+        scores.factors.append((alpha, False))
+    if _fill_value(bias, product) == 0:
+        return
+    if not _dtype(bias).is_floating_point:
+        scores.refused = Refused(Refusal.NON_FLOAT_ADDITIVE_MASK, str(_dtype(bias)))
+    elif len(scores.factors) > (alpha != 1):
+        scores.refused = Refused(Refusal.SCALE_AFTER_MASK, "the scores of a baddbmm with a bias are scaled")
+    elif scores.mask_negated or any(_is_bool(m) for m in scores.masks):
+        scores.refused = Refused(Refusal.SEVERAL_MASKS)
+    elif any(not ops.widens(_dtype(bias), d) for d in scores.rounded_to):
+        scores.refused = Refused(Refusal.VALUE_CHANGING_CAST, f"a {_dtype(bias)} bias rounded with the scores")
+    else:
+        mask = _bias_as_scores_mask(bias, matmul)
+        if mask is None:
+            scores.refused = Refused(Refusal.UNRECOGNISED_LAYOUT, "a baddbmm bias over symbolic batch sizes")
+        else:
+            scores.masks.append(_mask_for_flat_scores(mask, scores, matmul.out))
+
+
+def _bias_as_scores_mask(bias: fx.Node, matmul: BatchedMatmul) -> Optional[fx.Node]:
+    """The [N|1, M|1, K|1] bias of the product as a mask of its logical [.., M, K] output (a view)."""
+    bias_shape, out_shape = tensor_val(bias).shape, tensor_val(matmul.out).shape
+    if matmul.batch_rank == 1 and len(bias_shape) == 3:
+        return bias
+    if len(bias_shape) < 3 or same_size(bias_shape[-3], 1):
+        size = [1] * (len(out_shape) - 2) + list(bias_shape[-2:])
+    elif all(isinstance(d, int) for d in out_shape[:-2]):
+        size = list(out_shape[:-2]) + list(bias_shape[-2:])
+    else:
+        return None
+    user = matmul.out
+    with user.graph.inserting_before(user):
+        view = insert_call(user.graph, torch.ops.aten.view.default, (bias, size))
+    _tag_like(user, [view])
+    return view
 
 
 def _scaled_mask(mask: fx.Node, alpha, add: fx.Node) -> fx.Node:
@@ -395,33 +459,64 @@ class _Probs:
 
 
 def _walk_down_probs(softmax: Softmax) -> Optional[_Probs]:
-    """The P @ V matmul below a softmax (or why the probabilities reach it changed); None if none follows."""
+    """The P @ V matmul below a softmax, or why the probabilities do not reach one as they are; None
+    when the softmax output is not used at all."""
     node, probs = softmax.output, _Probs(chain=[softmax.output])
     for _ in range(16):
         users = forward_users(node)
         if len(users) != 1:
-            return _Probs(refused=Refused(Refusal.PROBS_USED_ELSEWHERE)) if len(users) > 1 else None
+            if not users:
+                return None if node is softmax.output else _unrecognised_probs(f"{node.target} has no user")
+            return _Probs(refused=Refused(Refusal.PROBS_USED_ELSEWHERE))
         user = users[0]
         if ops.calls(user, *ops.BMM):
             probs.bmm = user
-            return probs if user.args[0] is node else None
+            return probs if user.args[0] is node else _unrecognised_probs("P is the right operand of its matmul")
         if ops.calls(user, *ops.CAST):
             _judge_cast(probs, _dtype(node), _dtype(user), "on the probabilities")
         elif not (_zeroes_empty_rows(user, node, softmax) or ops.calls(user, *_PROBS_LAYOUT)):
-            return _modified_probs(user, node) if _reaches_bmm(user) else None
+            if _reaches_bmm(user):
+                return _modified_probs(user, node, softmax)
+            return _unrecognised_probs(f"they go to {user.target}")
         if probs.refused:
             return probs
         if probs.chain[-1] is node and same_shape(tensor_val(user).shape, tensor_val(softmax.output).shape):
             probs.chain.append(user)  # views that reshape P can only be the matmul's own batching (_anchor_for)
+        elif undoes_a_view(user) and user.args[0].args[0] is probs.chain[-1]:
+            probs.chain.append(user)  # XGLM: P viewed as [B, H, M, K] and back
         node = user
-    return None
+    return _unrecognised_probs("no matmul within 16 ops")
 
 
-def _modified_probs(user: fx.Node, probs: fx.Node) -> _Probs:
+def _unrecognised_probs(detail: str) -> _Probs:
+    return _Probs(refused=Refused(Refusal.UNRECOGNISED_PROBS, detail))
+
+
+def _modified_probs(user: fx.Node, probs: fx.Node, softmax: Softmax) -> _Probs:
     if getattr(user.target, "overloadpacket", None) is torch.ops.aten.mul:
         if any(_is_random(a) for a in user.all_input_nodes if a is not probs):
             return _Probs(refused=Refused(Refusal.DROPOUT_ACTIVE))
+    sinks = _sink_logits(softmax)
+    if sinks is not None:
+        return _Probs(refused=Refused(Refusal.ATTENTION_SINKS, sinks))
     return _Probs(refused=Refused(Refusal.PROBS_MODIFIED, ops.unaccepted_use(user) or str(user.target)))
+
+
+def _sink_logits(softmax: Softmax) -> Optional[str]:
+    """gpt-oss's sinks: the softmax runs over ``cat([scores, sinks], -1)`` (its max subtracted first, maybe),
+    and P @ V reads the scores' part back; a description of the cat, or None."""
+    x = softmax.input
+    for _ in range(4):
+        if is_op(x, torch.ops.aten.cat):
+            parts = x.args[0]
+            dim = (x.args[1] if len(x.args) > 1 else 0) % tensor_val(x).dim()
+            if dim == softmax.dim and len(parts) == 2 and _reaches_matmul(parts[0]) and not _reaches_matmul(parts[1]):
+                return f"{tensor_val(parts[1]).shape[-1]} sink logit(s) concatenated to the keys' scores"
+            return None
+        if not (ops.calls(x, *ops.CAST) or ops.calls(x, *ops.SUB)):
+            return None
+        x = x.args[0]
+    return None
 
 
 def _reaches_bmm(node: fx.Node, steps: int = 8) -> bool:
@@ -476,18 +571,22 @@ def _is_random(node, depth: int = 4) -> bool:
     return name in _RANDOM_OP_NAMES or any(_is_random(a, depth - 1) for a in node.all_input_nodes)
 
 
-def _anchor_for(bmm: fx.Node) -> Optional[BatchedMatmul]:
-    """P @ V in its logical layout: the outermost of bmm itself, its batch-split view, einsum's re-layout."""
-    node, found = bmm, None
+def _anchor_for(bmm: fx.Node, probs_chain: list) -> Optional[BatchedMatmul]:
+    """P @ V in its logical layout: the outermost of bmm itself, its batch-split view, einsum's re-layout
+    whose left operand is the probabilities as the softmax gave them (XGLM's P, viewed as [B, H, M, K] and
+    back, is only so for the 3-D product)."""
+    node, found, found_on_probs = bmm, None, None
     for _ in range(6):
         matmul = batched_matmul(node)
         if matmul is not None and matmul.bmm is bmm:
             found = matmul
+            if matmul.lhs.source in probs_chain:
+                found_on_probs = matmul
         users = list(node.users)
         if len(users) != 1 or not ops.calls(users[0], *ops.VIEW, *ops.PERMUTE):
-            return found
+            break
         node = users[0]
-    return found
+    return found_on_probs or found
 
 
 def attention_shaped(softmax: Softmax) -> bool:
@@ -496,14 +595,45 @@ def attention_shaped(softmax: Softmax) -> bool:
     return _reaches_matmul(softmax.input) and probs is not None and probs.bmm is not None
 
 
+# Ops whose output is no score of an attention: a linear layer (a router's or classifier's logits).
+_LINEAR_OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.linear)
+# Batched products of two tensors, i.e. what q @ kᵀ (matmul, einsum, bmm, baddbmm) becomes in ATen.
+_BATCHED_PRODUCTS = (torch.ops.aten.bmm, torch.ops.aten.baddbmm, torch.ops.aten.matmul, torch.ops.aten.einsum)
+_SCORES_SEARCH_NODES = 256  # Longformer's sliding chunks put ~100 ops between its bmm and softmax
+
+
+def scores_product(x: fx.Node) -> tuple[Optional[fx.Node], list]:
+    """(product, ops): the batched product above a softmax input, through any ops but linear layers, and
+    the ops on the way the attention table does not know; (None, ...) when there is none near: the softmax
+    is then over something else than scores (a router, a classifier)."""
+    seen, frontier, unknown = set(), [x], {}
+    while frontier and len(seen) < _SCORES_SEARCH_NODES:
+        node = frontier.pop(0)
+        if node in seen or not isinstance(node, fx.Node) or node.op != "call_function":
+            continue
+        seen.add(node)
+        if is_op(node, *_BATCHED_PRODUCTS):
+            return node, list(unknown)
+        if not is_op(node, *_LINEAR_OPS):
+            frontier.extend(node.all_input_nodes)
+            if node.target not in ops.TABLE:
+                unknown.setdefault(str(node.target), None)
+    return None, []
+
+
 def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
-    """An AttentionSite (possibly refused) for an attention-shaped softmax; None for any other softmax."""
+    """An AttentionSite (possibly refused) for a softmax over scores; None for any other softmax."""
+    product, unknown_ops = scores_product(softmax.input)
     probs = _walk_down_probs(softmax)
-    if probs is None or not _reaches_matmul(softmax.input):
+    if product is None or probs is None:
         return None
+    if not _reaches_matmul(softmax.input):
+        site = AttentionSite("matmul_softmax", softmax.output)
+        through = ", ".join(unknown_ops[:4]) + (", ..." if len(unknown_ops) > 4 else "")
+        return site.refuse(Refusal.UNRECOGNISED_SCORES, f"scores from {product.target}" + (f" through {through}" if through else ""))
     if probs.refused:
         return AttentionSite("matmul_softmax", softmax.output).refuse_as(probs.refused)
-    pv = _anchor_for(probs.bmm)
+    pv = _anchor_for(probs.bmm, probs.chain)
     site = AttentionSite("matmul_softmax", pv.out if pv else probs.bmm)
     if softmax.refused:
         return site.refuse_as(softmax.refused)
@@ -524,14 +654,11 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     q, q_dims, q_factors = q_side
     k, kt_dims, k_factors = k_side
     v, v_dims = pv.rhs.source, pv.rhs.dims
-    layouts = {
-        "q": _LAYOUTS_QV.get(tuple(q_dims)),
-        "k": _LAYOUTS_KT.get(tuple(kt_dims)),
-        "v": _LAYOUTS_QV.get(tuple(v_dims)),
-        "out": FLAT if pv.batch_rank == 1 else BHSD,
-    }
-    if None in layouts.values():
-        return site.refuse(Refusal.UNRECOGNISED_LAYOUT, f"q {q_dims}, kT {kt_dims}, v {v_dims}")
+    # Each operand is a permuted view of its source (views.Operand): that permutation is its layout.
+    k_dims = [*kt_dims[:-2], kt_dims[-1], kt_dims[-2]]
+    layouts = {"q": tuple(q_dims), "k": tuple(k_dims), "v": tuple(v_dims), "out": FLAT if pv.batch_rank == 1 else BHSD}
+    if any(tensor_val(node).dim() != len(layouts[name]) for name, node in (("q", q), ("k", k), ("v", v))):
+        return site.refuse(Refusal.UNRECOGNISED_LAYOUT, "q, k or v seen through a view that drops a size-1 dim")
     site.q, site.k, site.v, site.layouts = q, k, v, layouts
     _record_scale(site, scores.factors, q_factors, k_factors)
     site.mask = scores.masks[0] if scores.masks else None

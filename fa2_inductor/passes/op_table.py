@@ -49,6 +49,9 @@ _SPECS = [
     _rule("ScalarOther", aten.where, "condition", "self", "other"),
     _rule("Scalar", aten.where, "condition", "self", "other"),
     _rule("default", aten.full, "size", "fill_value", "dtype", inert=_FACTORY_INERT),
+    # a clamp from below (XGLM's max(scores, finfo.min)): the matcher judges the bound
+    _rule("default", aten.maximum, "self", "other"),
+    _rule("default", aten.clamp_min, "self", "min"),
     _rule("default", aten.scalar_tensor, "s", "dtype", inert=_FACTORY_INERT),
     # casts (judged by the matcher with ``widens``)
     _rule("default", prims.convert_element_type, "a", "dtype"),
@@ -64,6 +67,7 @@ _SPECS = [
     _rule("dim", aten.all, "self", "dim", keepdim=True),
     # matmul and layout: same values, other views of them
     _rule("default", aten.bmm, "self", "mat2"),
+    _rule("default", aten.baddbmm, "self", "batch1", "batch2", "beta", "alpha"),  # the matcher judges beta, alpha
     _rule("default", aten.view, "self", "size"),
     _rule("default", aten._unsafe_view, "self", "size"),
     _rule("default", aten.reshape, "self", "shape"),
@@ -118,6 +122,7 @@ ADD = overloads(aten.add, "Tensor")
 SUB = overloads(aten.sub, "Tensor")
 WHERE = overloads(aten.where, "self", "ScalarSelf", "ScalarOther", "Scalar")
 FILL = overloads(aten.full, "default") + overloads(aten.scalar_tensor, "default")
+CLAMP_LOW = overloads(aten.maximum, "default") + overloads(aten.clamp_min, "default")
 CAST = overloads(prims.convert_element_type, "default")
 SOFTMAX = overloads(aten._softmax, "default")
 SAFE_SOFTMAX = overloads(aten._safe_softmax, "default")
@@ -129,6 +134,7 @@ NOT = overloads(aten.logical_not, "default")
 ANY = overloads(aten.any, "dim")
 ALL = overloads(aten.all, "dim")
 BMM = overloads(aten.bmm, "default")
+BADDBMM = overloads(aten.baddbmm, "default")
 VIEW = overloads(aten.view, "default") + overloads(aten._unsafe_view, "default") + overloads(aten.reshape, "default")
 PERMUTE = overloads(aten.permute, "default")
 EXPAND = overloads(aten.expand, "default")

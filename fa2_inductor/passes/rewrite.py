@@ -17,34 +17,26 @@ import torch.fx as fx
 
 from .fx_utils import aten, insert_call, is_backward_node, is_op, same_shape, tensor_val
 from .refusals import Refusal
-from .site import BSHD, FLAT, AttentionSite
+from .site import AttentionSite, inverse, is_flat
 
-_SWAP_HEADS_AND_SEQ = [0, 2, 1, 3]
+def to_op_layout(graph: fx.Graph, node: fx.Node, layout: tuple) -> fx.Node:
+    if layout != tuple(range(len(layout))):
+        node = insert_call(graph, aten.permute.default, (node, list(layout)))
+    return insert_call(graph, aten.unsqueeze.default, (node, 1)) if is_flat(layout) else node
 
 
-def to_op_layout(graph: fx.Graph, node: fx.Node, layout: str) -> fx.Node:
-    if layout == BSHD:
-        return insert_call(graph, aten.permute.default, (node, _SWAP_HEADS_AND_SEQ))
-    if layout == FLAT:
-        return insert_call(graph, aten.unsqueeze.default, (node, 1))
+def from_op_layout(graph: fx.Graph, node: fx.Node, layout: tuple) -> fx.Node:
+    if is_flat(layout):
+        node = insert_call(graph, aten.squeeze.dim, (node, 1))
+    if layout != tuple(range(len(layout))):
+        node = insert_call(graph, aten.permute.default, (node, list(inverse(layout))))
     return node
 
 
-def from_op_layout(graph: fx.Graph, node: fx.Node, layout: str) -> fx.Node:
-    if layout == BSHD:
-        return insert_call(graph, aten.permute.default, (node, _SWAP_HEADS_AND_SEQ))
-    if layout == FLAT:
-        return insert_call(graph, aten.squeeze.dim, (node, 1))
-    return node
-
-
-def value_in_op_layout(value: torch.Tensor, layout: str) -> torch.Tensor:
+def value_in_op_layout(value: torch.Tensor, layout: tuple) -> torch.Tensor:
     """The same transform as ``to_op_layout``, applied to a (fake) tensor."""
-    if layout == BSHD:
-        return value.permute(_SWAP_HEADS_AND_SEQ)
-    if layout == FLAT:
-        return value.unsqueeze(1)
-    return value
+    value = value.permute(layout)
+    return value.unsqueeze(1) if is_flat(layout) else value
 
 
 def mask_value_in_op_layout(site: AttentionSite) -> Optional[torch.Tensor]:
@@ -60,7 +52,7 @@ def mask_value_in_op_layout(site: AttentionSite) -> Optional[torch.Tensor]:
             mask = mask + tensor_val(extra)
     else:
         return None
-    return mask.unsqueeze(1) if site.layouts["q"] == FLAT and mask.dim() == 3 else mask
+    return mask.unsqueeze(1) if is_flat(site.layouts["q"]) and mask.dim() == 3 else mask
 
 
 def forward_region(site: AttentionSite) -> set:
@@ -178,7 +170,7 @@ def _mask_gradient_mappable(site: AttentionSite, region: set) -> bool:
         return False
     if not any(user in region for user in site.mask.users):  # e.g. alpha * mask, built for the op
         return False
-    return not (site.layouts["q"] == FLAT and mask.dim() == 3)
+    return not (is_flat(site.layouts["q"]) and mask.dim() == 3)
 
 
 def _is_full_mask_gradient(node: fx.Node, site: AttentionSite) -> bool:
@@ -256,7 +248,7 @@ def _mask_in_op_layout(graph: fx.Graph, site: AttentionSite) -> Optional[fx.Node
             mask = insert_call(graph, aten.logical_not.default, (mask,))
     else:
         return None
-    if site.layouts["q"] == FLAT and tensor_val(mask).dim() == 3:
+    if is_flat(site.layouts["q"]) and tensor_val(mask).dim() == 3:
         mask = insert_call(graph, aten.unsqueeze.default, (mask, 1))
     return mask
 

@@ -10,10 +10,18 @@ import torch.fx as fx
 from ..reference import EmptyRows
 from .refusals import Refusal, Refused
 
-# Layouts of q/k/v/out relative to the op's [B, H, S, D]:
-#   "bhsd" as the op takes it; "bshd" needs a transpose of dims 1 and 2;
-#   "flat" is a 3-D [B*H, S, D] tensor, seen by the op as [B*H, 1, S, D].
-BHSD, BSHD, FLAT = "bhsd", "bshd", "flat"
+# The layout of q/k/v/out is the permutation that turns the tensor into the op's [B, H, S, D]:
+# ``tensor.permute(layout)``; a 3-D one gives [B*H, S, D], which the op sees as [B*H, 1, S, D].
+# BHSD is the op's own, FLAT bmm's; e.g. (0, 2, 1, 3) is HF's [B, S, H, D] before its transpose.
+BHSD, FLAT = (0, 1, 2, 3), (0, 1, 2)
+
+
+def is_flat(layout: tuple) -> bool:
+    return len(layout) == 3
+
+
+def inverse(layout: tuple) -> tuple:
+    return tuple(sorted(range(len(layout)), key=layout.__getitem__))
 
 ScaleFactor = Union[float, fx.Node]
 

@@ -27,6 +27,12 @@ def _is_identity(node: fx.Node) -> bool:
     return False
 
 
+def _through_identities(node: fx.Node) -> fx.Node:
+    while _is_identity(node):
+        node = node.args[0]
+    return node
+
+
 def _non_unit(shape) -> list[int]:
     return [i for i, s in enumerate(shape) if not same_size(s, 1)]
 
@@ -112,13 +118,24 @@ class Operand:
 
 @dataclass
 class BatchedMatmul:
-    """``out = lhs @ rhs`` over ``batch_rank`` leading dims; ``bmm`` is the ATen node doing it."""
+    """``out = lhs @ rhs`` over ``batch_rank`` leading dims; ``bmm`` is the ATen node doing it.
+
+    A ``baddbmm`` (only where ``with_bias`` was asked) computes ``beta * bias + alpha * (lhs @ rhs)``
+    with ``bias`` in its own [N, M, K] (broadcastable) layout; a bmm has no bias."""
 
     bmm: fx.Node
     out: fx.Node
     lhs: Operand
     rhs: Operand
     batch_rank: int
+    bias: Optional[fx.Node] = None
+
+
+def _factors(bmm: fx.Node) -> tuple:
+    """(lhs, rhs, bias) of a bmm or baddbmm node."""
+    if ops.calls(bmm, *ops.BADDBMM):
+        return ops.arg(bmm, "batch1"), ops.arg(bmm, "batch2"), ops.arg(bmm, "self")
+    return bmm.args[0], bmm.args[1], None
 
 
 def _operand(bmm_arg: fx.Node, rank: int) -> Optional[Operand]:
@@ -126,10 +143,18 @@ def _operand(bmm_arg: fx.Node, rank: int) -> Optional[Operand]:
     while _is_identity(node):
         node = node.args[0]
     if rank > 3:
+        # A [N, M, K] operand may be transposed after the merge (BLOOM's ``k.transpose(-1, -2)`` of a flat k).
+        swapped = ops.calls(node, *ops.PERMUTE) and list(ops.arg(node, "dims")) == [0, 2, 1]
+        if swapped:
+            node = node.args[0]
+            while _is_identity(node):
+                node = node.args[0]
         merged = _merged_batch_source(node, rank)
         if merged is None:
             return None
         node, kept = merged
+        if swapped:
+            kept = kept[:-2] + [kept[-1], kept[-2]]
     else:
         kept = [0, 1, 2]
     # Through size-1 views first (einsum); without them when that leaves a tensor of another rank
@@ -153,27 +178,28 @@ def _split_dims(shape, bmm_shape) -> Optional[list[int]]:
     return None
 
 
-def batched_matmul(node: fx.Node) -> Optional[BatchedMatmul]:
-    """Recognises ``node`` as the output of a logical batched matmul, or returns None."""
+def batched_matmul(node: fx.Node, with_bias: bool = False) -> Optional[BatchedMatmul]:
+    """Recognises ``node`` as the output of a logical batched matmul (a baddbmm too ``with_bias``), or None."""
     # Seen through size-1 views first (einsum's extra dims); then as a plain view of the bmm, which is
     # what a batch of 1 with a single query row needs: [H, 1, Sk] -> [1, H, 1, Sk] only inserts 1s, so
     # the first reading cannot tell the row dim from an inserted one.
+    products = ops.BMM + ops.BADDBMM if with_bias else ops.BMM
     for unit_views in (True, False):
-        found = _batched_matmul(node, unit_views)
+        found = _batched_matmul(node, unit_views, products)
         if found is not None:
             return found
     return None
 
 
-def _batched_matmul(node: fx.Node, unit_views: bool) -> Optional[BatchedMatmul]:
+def _batched_matmul(node: fx.Node, unit_views: bool, products: tuple) -> Optional[BatchedMatmul]:
     source, dims = strip_views(node, unit_views)
     rank = tensor_val(node).dim()
-    if ops.calls(source, *ops.BMM) and rank > 3 and dims == [None] * (rank - 3) + [0, 1, 2]:
+    if ops.calls(source, *products) and rank > 3 and dims == [None] * (rank - 3) + [0, 1, 2]:
         bmm = source  # a batch of 1 x H: the split of N into batch dims is a unit view
-    elif ops.calls(source, *ops.BMM):
+    elif ops.calls(source, *products):
         bmm, rank = source, 3
-    elif ops.calls(source, *ops.VIEW) and ops.calls(source.args[0], *ops.BMM):
-        bmm = source.args[0]
+    elif ops.calls(source, *ops.VIEW) and ops.calls(_through_identities(source.args[0]), *products):
+        bmm = _through_identities(source.args[0])  # matmul's 3-D result keeps a view of its own shape
         shape, bmm_shape = tensor_val(source).shape, tensor_val(bmm).shape
         kept = _split_dims(shape, bmm_shape)
         if kept is None or [d for d in dims if d is not None] != kept:
@@ -183,10 +209,11 @@ def _batched_matmul(node: fx.Node, unit_views: bool) -> Optional[BatchedMatmul]:
         return None
     if rank == 3 and [d for d in dims if d is not None] != [0, 1, 2]:
         return None
-    lhs, rhs = _operand(bmm.args[0], rank), _operand(bmm.args[1], rank)
+    lhs_arg, rhs_arg, bias = _factors(bmm)
+    lhs, rhs = _operand(lhs_arg, rank), _operand(rhs_arg, rank)
     if lhs is None or rhs is None:
         return None
-    return BatchedMatmul(bmm, node, lhs, rhs, rank - 2)
+    return BatchedMatmul(bmm, node, lhs, rhs, rank - 2, bias)
 
 
 def repeated_heads(node: fx.Node) -> Optional[tuple[fx.Node, int]]:
