@@ -180,3 +180,27 @@ def test_clamp_at_the_lowest_value_is_no_transform(cpu_pass):
 def test_clamp_above_the_lowest_value_is_refused(cpu_pass):
     compile_and_compare(_clamped(-1.0), *qkv(), rewrites=0)
     assert pass_counts() == {"refused:score_transform": 1}
+
+
+def _clamped_over(mask_kind):
+    """A clamp at the lowest value above a mask given as input: -inf in it becomes finfo.min in eager."""
+    def fn(q, k, v, visible):
+        scores = q @ k.transpose(-1, -2)
+        if mask_kind == "additive_input":
+            scores = scores + torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
+        elif mask_kind == "minus_inf_fill":
+            scores = scores.masked_fill(~visible, float("-inf"))
+        else:  # a finite fill built in the graph: the clamp changes nothing
+            scores = scores + torch.where(visible, 0.0, torch.finfo(torch.float32).min)
+        return torch.max(scores, torch.tensor(torch.finfo(torch.float32).min)).softmax(-1) @ v
+    return fn
+
+
+@pytest.mark.parametrize("mask_kind, rewrites", [("additive_input", 0), ("minus_inf_fill", 0), ("finite_fill", 1)])
+def test_clamp_over_a_mask_is_exact_only_for_finite_masks(cpu_pass, mask_kind, rewrites):
+    q, k, v = qkv()
+    visible = torch.rand(q.shape[0], 1, q.shape[2], k.shape[2], generator=torch.Generator().manual_seed(3)) > 0.3
+    visible[0, 0, 2] = False  # a row with no visible key: eager averages V over all of it
+    compile_and_compare(_clamped_over(mask_kind), q, k, v, visible, rewrites=rewrites)
+    if not rewrites:
+        assert pass_counts() == {"refused:score_transform": 1}

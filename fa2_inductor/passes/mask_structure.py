@@ -152,7 +152,7 @@ def _visibility(mask: fx.Node, negated: bool) -> Optional[_Visibility]:
         return _Visibility(_conjunction_terms(mask, negated), EmptyRows.ZERO)
     if not value.dtype.is_floating_point or negated:
         return None
-    where, casts = _strip_value_preserving(mask)
+    where, casts = strip_value_preserving(mask)
     if not (is_op(where, aten.where) and len(where.args) == 3):
         return None
     condition, if_true, if_false = where.args
@@ -166,7 +166,7 @@ def _visibility(mask: fx.Node, negated: bool) -> Optional[_Visibility]:
     return None
 
 
-def _strip_value_preserving(node: fx.Node) -> tuple[fx.Node, list]:
+def strip_value_preserving(node: fx.Node) -> tuple[fx.Node, list]:
     """(source, casts): through ops that keep every value the mask broadcasts to — expand, copies, SDPA's
     alignment padding (a ``slice`` of a ``constant_pad_nd`` back to the original length) — and float
     casts, whose target dtypes are returned (innermost first) so the fill can be followed through them."""
@@ -231,6 +231,17 @@ def _empty_rows_of_fill(value: Optional[float]) -> Optional[EmptyRows]:
     if value == -math.inf:
         return EmptyRows.ZERO
     return EmptyRows.MEAN_V if value <= ABSORBING_FILL else EmptyRows.ALL_KEYS
+
+
+def finite_by_construction(mask: fx.Node) -> bool:
+    """Whether every value of ``mask`` is finite by how the graph builds it: a ``where`` (or a constant)
+    whose branches are finite constants, through value-preserving views and float casts."""
+    source, casts = strip_value_preserving(mask)
+    if is_op(source, aten.where) and len(source.args) == 3:
+        branches = [_cast(constant_value(b), casts) for b in source.args[1:]]
+        return all(b is not None and math.isfinite(b) for b in branches)
+    value = _cast(constant_value(source), casts)
+    return value is not None and math.isfinite(value)
 
 
 def _conjunction_terms(node: fx.Node, negated: bool) -> list:

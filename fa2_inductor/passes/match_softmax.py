@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from . import op_table as ops
 from .fx_utils import forward_users, insert_call, is_op, is_joint_graph, same_shape, same_size, scalar_value, tensor_val
-from .mask_structure import constant_value
+from .mask_structure import constant_value, finite_by_construction
 from .precision import chain_rounding_refusal, run_in_input_precision
 from .refusals import Refusal, Refused
 from .site import BHSD, FLAT, AttentionSite
@@ -132,6 +132,7 @@ class _Scores:
     rounded_to: set = field(default_factory=set)  # float dtypes the scores are narrowed to
     merged_heads: Optional[tuple] = None  # [B, H, M, K] while above a view of the scores as [B*H, M, K]
     unflattened: list = field(default_factory=list)  # (index in masks, user) of masks met while merged_heads
+    clamped: bool = False  # under a clamp at the lowest finite value: a -inf inside it would become finite
     refused: Optional[Refused] = None
 
 
@@ -169,6 +170,7 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
             x = x.args[0].args[0]
         elif _clamped_at_lowest(x) is not None:
             x = _clamped_at_lowest(x)
+            scores.clamped = True
         elif scores.merged_heads is None and _merges_heads(x):
             x = x.args[0]
             scores.merged_heads = tuple(tensor_val(x).shape)
@@ -205,6 +207,8 @@ def _additive_mask(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
         scores.refused = Refused(Refusal.UNSUPPORTED_ARGUMENT, f"{add.target} with alpha={alpha!r}")
     elif not _dtype(mask).is_floating_point:  # s + bool adds 1.0: not a mask the op knows
         scores.refused = Refused(Refusal.NON_FLOAT_ADDITIVE_MASK, str(_dtype(mask)))
+    elif scores.clamped and not finite_by_construction(mask):
+        scores.refused = _clamp_over_infinities()
     elif scores.factors:
         scores.refused = Refused(Refusal.SCALE_AFTER_MASK)
     elif scores.mask_negated or any(_is_bool(m) for m in scores.masks):
@@ -219,6 +223,12 @@ def _additive_mask(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
         if alpha != 1 and x is b:
             scores.factors.append((alpha, False))  # applied to the scores before the mask is added
     return x
+
+
+def _clamp_over_infinities() -> Refused:
+    """A clamp at the lowest value turns a -inf mask into a finite fill: eager then averages V over a fully
+    masked row (and over all its keys, -inf or not), which a -inf mask in the op does not."""
+    return Refused(Refusal.SCORE_TRANSFORM, "a clamp at the lowest value over a mask that may hold -inf")
 
 
 def _clamped_at_lowest(node: fx.Node) -> Optional[fx.Node]:
@@ -248,7 +258,9 @@ def _bias_of_product(scores: _Scores, matmul: BatchedMatmul) -> None:
         scores.factors.append((alpha, False))
     if _fill_value(bias, product) == 0:
         return
-    if not _dtype(bias).is_floating_point:
+    if scores.clamped and not finite_by_construction(bias):
+        scores.refused = _clamp_over_infinities()
+    elif not _dtype(bias).is_floating_point:
         scores.refused = Refused(Refusal.NON_FLOAT_ADDITIVE_MASK, str(_dtype(bias)))
     elif len(scores.factors) > (alpha != 1):
         scores.refused = Refused(Refusal.SCALE_AFTER_MASK, "the scores of a baddbmm with a bias are scaled")
@@ -323,6 +335,8 @@ def _where_mask(scores: _Scores, where: fx.Node) -> Optional[fx.Node]:
         return None
     if _reaches_matmul(condition):
         scores.refused = Refused(Refusal.SCORE_TRANSFORM, "a mask computed from the scores")
+    elif scores.clamped and not math.isfinite(fill):
+        scores.refused = _clamp_over_infinities()
     elif scores.factors:
         scores.refused = Refused(Refusal.SCALE_AFTER_MASK)
     elif fill == float("-inf"):
