@@ -304,7 +304,7 @@ FAMILIES = {
         Family("phi", _phi_config, "PhiForCausalLM", _decoder_inputs, _decoder_sites),
         Family("gemma", _gemma_config, "GemmaForCausalLM", _decoder_inputs, _decoder_sites, tags=frozenset({"mqa"})),
         Family("gemma2", _gemma2_config, "Gemma2ForCausalLM", _decoder_inputs, _decoder_sites,
-               refusal="softcap", tags=frozenset({"gqa", "sliding_window", "softcap"})),
+               tags=frozenset({"gqa", "sliding_window", "softcap"})),
         Family("bloom", _bloom_config, "BloomForCausalLM", _decoder_inputs, lambda c: c.n_layer,
                tags=frozenset({"alibi", "baddbmm"}), impls=EAGER_ONLY),
         Family("gpt_neox_japanese", _gpt_neox_japanese_config, "GPTNeoXJapaneseForCausalLM", _decoder_inputs,

@@ -204,3 +204,37 @@ def test_clamp_over_a_mask_is_exact_only_for_finite_masks(cpu_pass, mask_kind, r
     compile_and_compare(_clamped_over(mask_kind), q, k, v, visible, rewrites=rewrites)
     if not rewrites:
         assert pass_counts() == {"refused:score_transform": 1}
+
+
+# --- logit soft-capping: cap * tanh(scores / cap), then the masks (Gemma 2) -----------------------------
+def _softcapped(form):
+    def fn(q, k, v, mask):
+        scores = q @ k.transpose(-1, -2) * 0.25
+        if form == "divide":
+            scores = torch.tanh(scores / 5.0) * 5.0 + mask
+        elif form == "reciprocal":
+            scores = 5.0 * torch.tanh(scores * (1 / 5.0)) + mask
+        elif form == "mask_inside":
+            scores = torch.tanh((scores + mask) / 5.0) * 5.0
+        elif form == "other_factor":
+            scores = torch.tanh(scores / 5.0) * 4.0 + mask
+        else:  # a tanh with no cap around it
+            scores = torch.tanh(scores) + mask
+        return scores.softmax(-1) @ v
+    return fn
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("form", ["divide", "reciprocal"])
+def test_softcapped_scores_are_the_ops_softcap(cpu_pass, form, train):
+    q, k, v = qkv(train=train)
+    mask = torch.randn(q.shape[0], 1, q.shape[2], k.shape[2])
+    compile_and_compare(_softcapped(form), q, k, v, mask, rewrites=1, train=train)
+
+
+@pytest.mark.parametrize("form", ["mask_inside", "other_factor", "bare_tanh"])
+def test_tanh_that_is_not_the_ops_softcap_is_refused(cpu_pass, form):
+    q, k, v = qkv()
+    mask = torch.randn(q.shape[0], 1, q.shape[2], k.shape[2])
+    compile_and_compare(_softcapped(form), q, k, v, mask, rewrites=0)
+    assert pass_counts() == {"refused:softcap": 1}

@@ -133,6 +133,8 @@ class _Scores:
     merged_heads: Optional[tuple] = None  # [B, H, M, K] while above a view of the scores as [B*H, M, K]
     unflattened: list = field(default_factory=list)  # (index in masks, user) of masks met while merged_heads
     clamped: bool = False  # under a clamp at the lowest finite value: a -inf inside it would become finite
+    softcap: float = 0.0  # cap * tanh(scores / cap) met on the way up; the masks met before it come after it
+    masks_after_softcap: int = 0
     refused: Optional[Refused] = None
 
 
@@ -150,6 +152,8 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
             if scores.matmul is not None:
                 if scores.matmul.bias is not None:
                     _bias_of_product(scores, scores.matmul)
+                if scores.softcap and len(scores.masks) > scores.masks_after_softcap and not scores.refused:
+                    scores.refused = Refused(Refusal.SOFTCAP, "a mask added before the soft-capping")
                 return scores
         elif _splits_heads(x, scores.merged_heads):
             _flatten_masks(scores, x)
@@ -171,6 +175,9 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
         elif _clamped_at_lowest(x) is not None:
             x = _clamped_at_lowest(x)
             scores.clamped = True
+        elif x.target is torch.ops.aten.tanh.default and not scores.softcap and _softcap(scores, x) is not None:
+            x = _softcap(scores, x)
+            scores.softcap, scores.factors, scores.masks_after_softcap = _softcap_value(scores), [], len(scores.masks)
         elif scores.merged_heads is None and _merges_heads(x):
             x = x.args[0]
             scores.merged_heads = tuple(tensor_val(x).shape)
@@ -183,6 +190,30 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
         if scores.refused:
             return scores
     return None
+
+
+def _softcap_value(scores: _Scores) -> float:
+    """The product of the factors met since the last mask: what multiplies tanh(...) (numbers only)."""
+    value = 1.0
+    for factor, divide in scores.factors:
+        value = value / factor if divide else value * factor
+    return value
+
+
+def _softcap(scores: _Scores, tanh: fx.Node) -> Optional[fx.Node]:
+    """The scores inside ``cap * tanh(scores / cap)`` (Gemma 2's logit soft-capping), with cap a number > 0
+    that multiplies the tanh exactly as it divides the scores (to float32's rounding); None otherwise."""
+    if not scores.factors or any(isinstance(f, fx.Node) for f, _ in scores.factors):
+        return None
+    inner = _scale_factor(tanh.args[0])
+    if inner is None or isinstance(inner[1], fx.Node) or _dtype(inner[0]) != _dtype(tanh):
+        return None
+    x, factor, divide = inner
+    cap = _softcap_value(scores)
+    inner_cap = factor if divide else 1.0 / factor
+    if not (cap > 0 and math.isfinite(cap) and math.isclose(cap, inner_cap, rel_tol=2 ** -23)):
+        return None
+    return x
 
 
 def _transform_refusal(node: fx.Node) -> Refused:
@@ -677,6 +708,7 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     _record_scale(site, scores.factors, q_factors, k_factors)
     site.mask = scores.masks[0] if scores.masks else None
     site.extra_masks, site.mask_negated = scores.masks[1:], scores.mask_negated
+    site.softcap = scores.softcap
     _map_repeated_kv(site)
     if _upcast(softmax):
         site.notes.append("float32 softmax")

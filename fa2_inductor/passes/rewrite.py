@@ -223,7 +223,8 @@ def rewrite_site(site: AttentionSite, backward: Optional[BackwardRegion]) -> Non
         v = to_op_layout(graph, site.v, site.layouts["v"])
         mask = _mask_in_op_layout(graph, site)
         fwd = insert_call(graph, torch.ops.fa2_inductor.flash_attention_fwd.default,
-                          (q, k, v, mask, site.scale, site.is_causal, site.window_left, int(site.empty_rows)))
+                          (q, k, v, mask, site.scale, site.is_causal, site.window_left, int(site.empty_rows),
+                           float(site.softcap)))
         out = insert_call(graph, operator.getitem, (fwd, 0))
         lse = insert_call(graph, operator.getitem, (fwd, 1))
         result = from_op_layout(graph, out, site.layouts["out"])
@@ -263,7 +264,8 @@ def _rewrite_backward(site: AttentionSite, backward: BackwardRegion, saved: tupl
         grad_out = to_op_layout(graph, backward.grad_out, site.layouts["out"])
         mask_grad = "mask" in backward.grads
         bwd = insert_call(graph, torch.ops.fa2_inductor.flash_attention_bwd.default,
-                          (grad_out, q, k, v, out, lse, mask, site.scale, site.is_causal, mask_grad, site.window_left))
+                          (grad_out, q, k, v, out, lse, mask, site.scale, site.is_causal, mask_grad, site.window_left,
+                           float(site.softcap)))
         grads = {name: insert_call(graph, operator.getitem, (bwd, i)) for i, name in enumerate("qkv")}
         grads = {name: from_op_layout(graph, g, site.layouts[name]) for name, g in grads.items()}
         if mask_grad:  # reduced to the mask's own shape by the op
