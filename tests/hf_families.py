@@ -322,7 +322,7 @@ FAMILIES = {
         Family("wavlm", _wavlm_config, "WavLMModel", _audio_inputs, _decoder_sites,
                tags=frozenset({"encoder", "multihead_attention", "position_bias"}), impls=EAGER_ONLY),
         Family("gpt_oss", _gpt_oss_config, "GptOssForCausalLM", _decoder_inputs, _decoder_sites,
-               refusal="attention_sinks", tags=frozenset({"gqa", "sinks"}), impls=EAGER_ONLY),
+               tags=frozenset({"gqa", "sinks"}), impls=EAGER_ONLY),
         # Sliding chunks: its scores are assembled from diagonals of chunked products.
         Family("longformer", _longformer_config, "LongformerModel", _decoder_inputs, _decoder_sites,
                refusal="unrecognised_scores", tags=frozenset({"encoder", "sliding_chunks"}), impls=EAGER_ONLY),

@@ -34,11 +34,11 @@ def _probs_summed_by_hand(q, k, v):
 
 
 def _sinks(q, k, v):
-    """gpt-oss: a per-head sink logit joins each row's softmax and is dropped before P @ V."""
+    """Two sink logits per row (one per head and query position): not the op's per-head sinks."""
     s = _scores(q, k)
-    sinks = torch.linspace(-1.0, 1.0, q.shape[1]).reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)
+    sinks = torch.linspace(-1.0, 1.0, 2 * q.shape[2]).reshape(1, 1, -1, 2).expand(q.shape[0], q.shape[1], -1, 2)
     probs = torch.cat([s, sinks], dim=-1).softmax(-1)
-    return probs[..., :-1] @ v
+    return probs[..., :-2] @ v
 
 
 UNSEEN = {
@@ -238,3 +238,26 @@ def test_tanh_that_is_not_the_ops_softcap_is_refused(cpu_pass, form):
     mask = torch.randn(q.shape[0], 1, q.shape[2], k.shape[2])
     compile_and_compare(_softcapped(form), q, k, v, mask, rewrites=0)
     assert pass_counts() == {"refused:softcap": 1}
+
+
+# --- attention sinks: softmax(cat([scores, sinks], -1) - row max)[..., :K] @ V (gpt-oss) -----------------
+def _gpt_oss_attention(q, k, v, mask, sinks):
+    scores = q @ k.transpose(-1, -2) * 0.25 + mask
+    combined = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1] @ v
+
+
+def test_per_head_sinks_are_the_ops_sinks(cpu_pass):
+    q, k, v = qkv()
+    mask = torch.randn(q.shape[0], 1, q.shape[2], k.shape[2])
+    mask[0, 0, 3] = float("-inf")  # a row with no visible key: all its weight goes to the sink
+    compile_and_compare(_gpt_oss_attention, q, k, v, mask, torch.linspace(-2.0, 3.0, q.shape[1]), rewrites=1)
+
+
+def test_sinks_in_training_stay_with_inductor(cpu_pass):
+    q, k, v = qkv(train=True)
+    mask = torch.randn(q.shape[0], 1, q.shape[2], k.shape[2])
+    sinks = torch.linspace(-2.0, 3.0, q.shape[1]).requires_grad_()
+    compile_and_compare(_gpt_oss_attention, q, k, v, mask, sinks, rewrites=0, train=True)
+    assert pass_counts() == {"refused:intermediate_used_elsewhere": 1}

@@ -39,7 +39,8 @@ def _active_dropout(q, k, v):
 
 
 def _softcap(q, k, v):
-    return (torch.tanh(_scores(q, k) / 50.0) * 50.0).softmax(-1) @ v
+    """A cap that scales the tanh by another value than it divides the scores by: not the op's softcap."""
+    return (torch.tanh(_scores(q, k) / 50.0) * 30.0).softmax(-1) @ v
 
 
 def _scale_after_mask(q, k, v):
@@ -255,7 +256,7 @@ def cuda_training_rules(cpu_pass, monkeypatch):
     monkeypatch.setattr(support, "_kernel_reason", lambda call: None)
     monkeypatch.setitem(support._DEVICE_RULES, "cpu", support._cuda_refusal)
     monkeypatch.setattr(support._cuda, "backward_unsupported_reason",
-                        lambda q, k, v, mask, is_causal, window_left=-1: "attn_mask" if mask is not None else None)
+                        lambda q, k, v, mask, *options: "attn_mask" if mask is not None else None)
     monkeypatch.setitem(support._BACKWARD_RULES, "cpu", support._cuda_backward_refusal)
 
 

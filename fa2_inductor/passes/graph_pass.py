@@ -14,6 +14,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .. import _extension, config
+from ..reference import EmptyRows
 from . import report
 from .fx_utils import forward_users, is_backward_node
 from .inductor_guards import shield_attention_chains
@@ -54,6 +55,9 @@ def _simplify_mask(site: AttentionSite) -> None:
     site.mask, site.mask_negated, site.mask_terms = None, False, structure.terms
     site.is_causal, site.window_left = structure.is_causal, structure.window_left
     site.empty_rows = int(structure.empty_rows)
+    if site.sinks is not None and site.empty_rows == EmptyRows.MEAN_V:
+        # A fill that absorbs every score leaves the sink alone in the row: exp(fill - sink) is 0.
+        site.empty_rows = int(EmptyRows.ZERO)
     site.notes.extend(structure.notes)
 
 

@@ -209,8 +209,9 @@ def constant_value(node) -> Optional[float]:
     if isinstance(node, fx.Node) and node.op == "get_attr":
         constant = getattr(node.graph.owning_module, node.target, None)
         if isinstance(constant, torch.Tensor) and constant.numel() > 0:
-            flat = constant.detach().reshape(-1).cpu()
-            return float(flat[0]) if bool((flat == flat[0]).all()) else None
+            with torch.utils._python_dispatch._disable_current_modes():  # a real tensor, read under fake mode
+                flat = constant.detach().reshape(-1).cpu()
+                return float(flat[0]) if bool((flat == flat[0]).all()) else None
     return None
 
 

@@ -8,6 +8,7 @@ the op's attention.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -272,8 +273,7 @@ def _clamped_at_lowest(node: fx.Node) -> Optional[fx.Node]:
         return None
     if isinstance(bound, fx.Node) and (tensor_val(bound) is None or tensor_val(bound).dim() > 0):
         return None  # a bound that broadcasts the scores to another shape is no plain clamp
-    with torch.utils._python_dispatch._disable_current_modes():  # a graph constant is read as a real tensor
-        value = constant_value(bound)
+    value = constant_value(bound)
     return x if value is not None and value <= torch.finfo(_dtype(node)).min else None
 
 
@@ -547,6 +547,65 @@ def _modified_probs(user: fx.Node, probs: fx.Node, softmax: Softmax) -> _Probs:
     return _Probs(refused=Refused(Refusal.PROBS_MODIFIED, ops.unaccepted_use(user) or str(user.target)))
 
 
+def _softmax_with_sinks(softmax: Softmax) -> Optional[tuple[Softmax, fx.Node]]:
+    """gpt-oss's attention sinks, as the op takes them: ``softmax(cat([scores, sinks], -1) [- its row max])``
+    with only its first K columns read (``[..., :K]``), and sinks ``[Hq]`` broadcast as ``[B, Hq, M, 1]``.
+    Returns the softmax seen as one over ``scores`` ending at that slice, and the ``[Hq]`` sinks; else None."""
+    x, dim = softmax.input, softmax.dim
+    if ops.calls(x, *ops.SUB) and _is_row_max_of(x.args[1], x.args[0], dim):
+        x = x.args[0]
+    if not (is_op(x, torch.ops.aten.cat) and len(x.args[0]) == 2 and len(x.all_input_nodes) == 2):
+        return None
+    if (x.args[1] if len(x.args) > 1 else 0) % tensor_val(x).dim() != dim or dim != tensor_val(x).dim() - 1:
+        return None
+    scores, sink_part = x.args[0]
+    keys = tensor_val(scores).shape[-1]
+    users = forward_users(softmax.output)
+    if len(users) != 1 or not _first_columns(users[0], keys, dim) or tensor_val(x).dim() != 4:
+        return None
+    sinks = _per_head_logits(sink_part, tensor_val(scores).shape[1])
+    if sinks is None:
+        return None
+    return Softmax(scores, users[0], dim, set(softmax.rounded_to), softmax.refused), sinks
+
+
+def _is_row_max_of(node, x: fx.Node, dim: int) -> bool:
+    """``max(x, dim, keepdim=True).values`` or ``amax(x, [dim], keepdim=True)``."""
+    if ops.calls(node, *ops.AMAX):
+        return node.args[0] is x and [d % tensor_val(x).dim() for d in ops.arg(node, "dim")] == [dim] \
+            and ops.arg(node, "keepdim")
+    if node.target is operator.getitem and node.args[1] == 0 and is_op(node.args[0], torch.ops.aten.max):
+        reduce = node.args[0]
+        return reduce.target is torch.ops.aten.max.dim and reduce.args[0] is x and \
+            reduce.args[1] % tensor_val(x).dim() == dim and len(reduce.args) > 2 and reduce.args[2] is True
+    return False
+
+
+def _first_columns(node: fx.Node, count, dim: int) -> bool:
+    """``node`` is ``x[..., :count]`` along ``dim`` (a slice from 0, step 1, ending at count or -1 of count + 1)."""
+    if node.target is not torch.ops.aten.slice.Tensor:
+        return False
+    args = list(node.args) + [None] * (5 - len(node.args))
+    slice_dim, start, end, step = args[1] or 0, args[2] or 0, args[3], args[4] or 1
+    rank = tensor_val(node.args[0]).dim()
+    return slice_dim % rank == dim and start == 0 and step == 1 and same_size(tensor_val(node).shape[dim], count)
+
+
+def _per_head_logits(node: fx.Node, heads) -> Optional[fx.Node]:
+    """The ``[H]`` tensor that ``node`` broadcasts as ``[B, H, M, 1]`` (through view and expand); else None."""
+    if not is_op(node, torch.ops.aten.expand):
+        return None
+    source = node.args[0]
+    if is_op(source, torch.ops.aten.view, torch.ops.aten.reshape, torch.ops.aten._unsafe_view):
+        source = source.args[0]
+    value, broadcast = tensor_val(source), tensor_val(node.args[0])
+    if value is None or value.dim() != 1 or not same_size(value.shape[0], heads):
+        return None
+    if broadcast.dim() != 4 or not same_shape(broadcast.shape, [1, heads, 1, 1]) or not value.dtype.is_floating_point:
+        return None
+    return source
+
+
 def _sink_logits(softmax: Softmax) -> Optional[str]:
     """gpt-oss's sinks: the softmax runs over ``cat([scores, sinks], -1)`` (its max subtracted first, maybe),
     and P @ V reads the scores' part back; a description of the cat, or None."""
@@ -668,6 +727,10 @@ def scores_product(x: fx.Node) -> tuple[Optional[fx.Node], list]:
 
 def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     """An AttentionSite (possibly refused) for a softmax over scores; None for any other softmax."""
+    sinks = None
+    with_sinks = _softmax_with_sinks(softmax)
+    if with_sinks is not None:  # from here on the softmax is the keys' part of it, over the scores alone
+        softmax, sinks = with_sinks
     product, unknown_ops = scores_product(softmax.input)
     probs = _walk_down_probs(softmax)
     if product is None or probs is None:
@@ -709,6 +772,9 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     site.mask = scores.masks[0] if scores.masks else None
     site.extra_masks, site.mask_negated = scores.masks[1:], scores.mask_negated
     site.softcap = scores.softcap
+    site.sinks = sinks
+    if sinks is not None and layouts["q"] == FLAT:
+        return site.refuse(Refusal.UNRECOGNISED_LAYOUT, "sinks over scores with batch and heads merged")
     _map_repeated_kv(site)
     if _upcast(softmax):
         site.notes.append("float32 softmax")

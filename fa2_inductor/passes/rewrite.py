@@ -224,7 +224,7 @@ def rewrite_site(site: AttentionSite, backward: Optional[BackwardRegion]) -> Non
         mask = _mask_in_op_layout(graph, site)
         fwd = insert_call(graph, torch.ops.fa2_inductor.flash_attention_fwd.default,
                           (q, k, v, mask, site.scale, site.is_causal, site.window_left, int(site.empty_rows),
-                           float(site.softcap)))
+                           float(site.softcap), site.sinks))
         out = insert_call(graph, operator.getitem, (fwd, 0))
         lse = insert_call(graph, operator.getitem, (fwd, 1))
         result = from_op_layout(graph, out, site.layouts["out"])
@@ -265,7 +265,7 @@ def _rewrite_backward(site: AttentionSite, backward: BackwardRegion, saved: tupl
         mask_grad = "mask" in backward.grads
         bwd = insert_call(graph, torch.ops.fa2_inductor.flash_attention_bwd.default,
                           (grad_out, q, k, v, out, lse, mask, site.scale, site.is_causal, mask_grad, site.window_left,
-                           float(site.softcap)))
+                           float(site.softcap), site.sinks))
         grads = {name: insert_call(graph, operator.getitem, (bwd, i)) for i, name in enumerate("qkv")}
         grads = {name: from_op_layout(graph, g, site.layouts[name]) for name, g in grads.items()}
         if mask_grad:  # reduced to the mask's own shape by the op

@@ -44,6 +44,7 @@ class AttentionSite:
     window_left: int = -1  # with is_causal: keys before i - window_left hidden
     empty_rows: int = 0  # what rows with no visible key compute (reference.EmptyRows), from the mask's fill
     softcap: float = 0.0  # scores capped as softcap * tanh(scores / softcap) before the masks; 0: none
+    sinks: Optional[fx.Node] = None  # [Hq] logits that join every row's softmax denominator
     n_rep: int = 1  # K/V heads repeated in the graph and mapped back to native GQA
     forward_nodes: set = field(default_factory=set)  # the nodes the rewrite makes dead
     notes: list = field(default_factory=list)  # what the matcher recognised, for the report
@@ -68,6 +69,8 @@ class AttentionSite:
             parts.append("is_causal" + (f" window {self.window_left + 1}" if self.window_left >= 0 else ""))
         if self.softcap:
             parts.append(f"softcap {self.softcap:g}")
+        if self.sinks is not None:
+            parts.append("sinks")
         if self.mask is not None or self.mask_terms:
             parts.append("mask")
         if self.empty_rows:

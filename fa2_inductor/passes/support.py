@@ -57,11 +57,12 @@ class OpCall:
     is_causal: bool
     window_left: int = -1
     softcap: float = 0.0
+    sinks: Optional[torch.Tensor] = None
 
 
 def _kernel_reason(call: OpCall) -> Optional[str]:
     q, k, v, mask = (_with_size_hints(t) for t in (call.q, call.k, call.v, call.mask))
-    return _cuda.kernel_unsupported_reason(q, k, v, mask, call.is_causal, call.window_left, call.softcap)
+    return _cuda.kernel_unsupported_reason(q, k, v, mask, call.is_causal, call.window_left, call.softcap, call.sinks)
 
 
 def _cpu_refusal(call: OpCall) -> Optional[Refused]:
@@ -99,7 +100,7 @@ def _cuda_backward_refusal(call: OpCall) -> Optional[Refused]:
     """Training graphs on CUDA: the op's backward must run a fast kernel (ours, or PyTorch's flash backward);
     its other path, the reference, would make the training step slower than Inductor's own attention backward."""
     reason = _cuda.backward_unsupported_reason(call.q, call.k, call.v, call.mask, call.is_causal, call.window_left,
-                                               call.softcap)
+                                               call.softcap, call.sinks)
     return None if reason is None else Refused(Refusal.BACKWARD_UNSUPPORTED, reason)
 
 
@@ -110,7 +111,8 @@ _BACKWARD_RULES = {"cuda": _cuda_backward_refusal}
 def _op_call(site: AttentionSite) -> OpCall:
     """The call the op would receive for this site (fake tensors)."""
     q, k, v = (value_in_op_layout(tensor_val(n), site.layouts[name]) for name, n in zip("qkv", (site.q, site.k, site.v)))
-    return OpCall(q, k, v, mask_value_in_op_layout(site), site.is_causal, site.window_left, site.softcap)
+    sinks = None if site.sinks is None else tensor_val(site.sinks)
+    return OpCall(q, k, v, mask_value_in_op_layout(site), site.is_causal, site.window_left, site.softcap, sinks)
 
 
 def backward_refusal_reason(site: AttentionSite) -> Optional[Refused]:
@@ -129,7 +131,7 @@ def refusal_reason(site: AttentionSite) -> Optional[Refused]:
     if mask is not None and mask.dtype != torch.bool and not mask.dtype.is_floating_point:
         return Refused(Refusal.MASK_DTYPE, str(mask.dtype))
     try:
-        ops.check_inputs(q, k, v, mask, call.is_causal, call.window_left, softcap=call.softcap)
+        ops.check_inputs(q, k, v, mask, call.is_causal, call.window_left, int(site.empty_rows), call.softcap, call.sinks)
     except ValueError as error:
         return Refused(Refusal.NOT_COMPUTABLE, str(error))
     out = value_in_op_layout(tensor_val(site.anchor), site.layouts["out"])
