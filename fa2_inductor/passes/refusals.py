@@ -38,7 +38,7 @@ class Refusal(str, Enum):
     UNRECOGNISED_SCORES = "unrecognised_scores", "the softmax input is not traced back to q @ kᵀ"
     UNRECOGNISED_LAYOUT = "unrecognised_layout", "q, k, v or the output in a layout the op cannot take as a view"
     UNRECOGNISED_PROBS = "unrecognised_probs", "the probabilities of a softmax over scores reach no P @ V the pass can follow"
-    ATTENTION_SINKS = "attention_sinks", "the softmax also normalises over per-head sink logits (the pass does not map them to the op's sinks yet)"
+    ATTENTION_SINKS = "attention_sinks", "the softmax also normalises over sink logits that are not one per query head"
     # --- the decision about a recognised attention --------------------------------------------------
     INTERMEDIATE_USED_ELSEWHERE = "intermediate_used_elsewhere", "scores or probabilities are read outside the site"
     TRAINING_SHARED_INPUT = "training_shared_input", "q, k or v (or a view inside the site) also feed other ops"
