@@ -1,0 +1,98 @@
+"""A family's default config made tiny: the same architecture with small sizes.
+
+Generic over families: attributes with the usual names are set where the config has them; lists with one
+entry per layer are cut to the new layer count; nested configs (text/vision/audio, encoder/decoder) are
+shrunk the same way.
+"""
+
+from __future__ import annotations
+
+HIDDEN = 64
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = HIDDEN // HEADS
+LAYERS = 2
+INTERMEDIATE = 2 * HIDDEN
+VOCAB = 256
+SPECIAL_TOKENS = 16  # the top of the vocabulary: special token ids; inputs use the ids below
+MAX_POSITIONS = 512
+IMAGE_SIZE = 32
+PATCH_SIZE = 8
+EXPERTS = 4
+EXPERTS_PER_TOKEN = 2
+
+_SIZES = {
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_embed_proj_dim"), HIDDEN),
+    **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
+                     "decoder_attention_heads", "attention_heads"), HEADS),
+    **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), KV_HEADS),
+    **dict.fromkeys(("head_dim", "d_kv", "attention_head_size", "kv_channels", "qk_head_dim", "v_head_dim"), HEAD_DIM),
+    **dict.fromkeys(("intermediate_size", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
+                     "ffn_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                     "ffn_size", "hidden_dim", "mlp_dim"), INTERMEDIATE),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), EXPERTS),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"), EXPERTS_PER_TOKEN),
+    "vocab_size": VOCAB,
+}
+_LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
+                 "num_decoder_layers", "num_encoder_layers")
+_CAPS = {"max_position_embeddings": MAX_POSITIONS, "n_positions": MAX_POSITIONS, "max_source_positions": 64,
+         "max_target_positions": MAX_POSITIONS}
+_IMAGE = {"image_size": IMAGE_SIZE, "patch_size": PATCH_SIZE}
+
+
+def tiny_config(config_class):
+    """The family's default config with tiny sizes (a new object; the defaults are kept otherwise)."""
+    return shrink(config_class())
+
+
+def shrink(config):
+    from transformers import PretrainedConfig
+
+    for name, value in list(vars(config).items()):
+        if isinstance(value, PretrainedConfig):
+            setattr(config, name, shrink(value))
+    overrides = _overrides(config)
+    try:  # through the constructor: configs derive sizes (and check them) in __init__
+        shrunk = type(config)(**{**_sub_configs(config), **overrides})
+    except Exception:
+        shrunk = config
+    for name, value in overrides.items():
+        setattr(shrunk, name, value)
+    return shrunk
+
+
+def _sub_configs(config) -> dict:
+    from transformers import PretrainedConfig
+
+    return {name: value for name, value in vars(config).items() if isinstance(value, PretrainedConfig)}
+
+
+def _overrides(config) -> dict:
+    values = vars(config)
+    overrides = {name: size for name, size in _SIZES.items() if isinstance(values.get(name), int)}
+    if "head_dim" in overrides or "d_kv" in overrides:  # kept consistent with the heads
+        heads = overrides.get("num_attention_heads", overrides.get("num_heads", HEADS))
+        for name in ("head_dim", "d_kv"):
+            if name in overrides:
+                overrides[name] = HIDDEN // heads
+    for name in _LAYER_COUNTS:
+        layers = values.get(name)
+        if isinstance(layers, int) and layers > LAYERS:
+            overrides[name] = LAYERS
+            for list_name, entries in values.items():  # per-layer lists (layer_types, block sizes, ...)
+                if isinstance(entries, (list, tuple)) and len(entries) == layers:
+                    overrides[list_name] = type(entries)(entries[:LAYERS])
+    for name, cap in _CAPS.items():
+        if isinstance(values.get(name), int) and values[name] > cap:
+            overrides[name] = cap
+    for name, size in _IMAGE.items():
+        if isinstance(values.get(name), int):
+            overrides[name] = size
+    if isinstance(values.get("sliding_window"), int) and values["sliding_window"] > 0:
+        overrides["sliding_window"] = 8  # shorter than the inputs, so a window really cuts keys
+    if "vocab_size" in overrides:  # special tokens moved into the top of the tiny vocabulary, kept distinct
+        special = [name for name, token_id in values.items() if name.endswith("token_id")
+                   and isinstance(token_id, int) and token_id >= VOCAB]
+        overrides.update({name: VOCAB - 1 - i for i, name in enumerate(special)})
+    return overrides
