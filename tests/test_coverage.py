@@ -7,7 +7,10 @@ The sweep over every family the installed transformers knows is the long test at
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
+import time
 import textwrap
 
 import pytest
@@ -49,13 +52,14 @@ def test_an_attention_free_model_and_an_unsupported_implementation_are_not_count
 
 # Stand-in children: they write the markers ``measure`` writes, then hang or die where the test says.
 _STAND_IN = textwrap.dedent("""
-    import json, sys, time
+    import json, os, sys, time
     from pathlib import Path
     family, folder, *implementations = sys.argv[1:]
     folder = Path(folder)
+    (folder.parent / f"{family}.pid").write_text(str(os.getpid()))
     for implementation in implementations:
         (folder / f"{implementation}.started").touch()
-        behaviour = BEHAVIOURS[implementation]
+        behaviour = BEHAVIOURS[f"{family}/{implementation}"]
         if behaviour == "hang_building":
             time.sleep(60)
         (folder / f"{implementation}.built").touch()
@@ -71,30 +75,46 @@ _STAND_IN = textwrap.dedent("""
 
 
 def _stand_in_child(monkeypatch, tmp_path, behaviours: dict) -> None:
+    """``behaviours``: "family/implementation" -> ok, hang, hang_building or die."""
     script = tmp_path / "child.py"
     script.write_text(_STAND_IN.replace("BEHAVIOURS", repr(behaviours)))
     monkeypatch.setattr(run, "CHILD_COMMAND", [sys.executable, str(script)])
 
 
 def test_a_hang_after_the_build_is_a_timed_out_row_and_the_rest_still_runs(monkeypatch, tmp_path):
-    _stand_in_child(monkeypatch, tmp_path, {"eager": "ok", "sdpa": "hang", "flex": "ok"})
-    rows = run.run_family("stand_in", ["eager", "sdpa", "flex"], timeout_s=2)
+    _stand_in_child(monkeypatch, tmp_path, {"s/eager": "ok", "s/sdpa": "hang", "s/flex": "ok"})
+    rows = run.run_family("s", ["eager", "sdpa", "flex"], timeout_s=2)
     assert [(row.implementation, row.status) for row in rows] == [
         ("eager", Status.FULL), ("sdpa", Status.TIMED_OUT), ("flex", Status.FULL)]
     assert rows[1].why() == "timed out"
 
 
 def test_a_hang_while_building_is_a_build_failure(monkeypatch, tmp_path):
-    _stand_in_child(monkeypatch, tmp_path, {"eager": "hang_building"})
-    (row,) = run.run_family("stand_in", ["eager"], timeout_s=2)
+    _stand_in_child(monkeypatch, tmp_path, {"s/eager": "hang_building"})
+    (row,) = run.run_family("s", ["eager"], timeout_s=2)
     assert row.status is Status.BUILD_FAILED and row.error == "timed out after 2 s"
 
 
 def test_a_child_that_dies_is_a_crashed_row_with_its_last_words(monkeypatch, tmp_path):
-    _stand_in_child(monkeypatch, tmp_path, {"eager": "die", "sdpa": "ok"})
-    rows = run.run_family("stand_in", ["eager", "sdpa"], timeout_s=60)
+    _stand_in_child(monkeypatch, tmp_path, {"s/eager": "die", "s/sdpa": "ok"})
+    rows = run.run_family("s", ["eager", "sdpa"], timeout_s=60)
     assert [row.status for row in rows] == [Status.CRASHED, Status.FULL]
     assert rows[0].error == "the process died (exit code 139): Segmentation fault (stand-in)"
+
+
+def test_an_interrupted_sweep_leaves_no_child_behind(monkeypatch, tmp_path):
+    _stand_in_child(monkeypatch, tmp_path, {"fast/eager": "ok", "slow/eager": "hang"})
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the children's folders, and their pid files
+
+    def interrupt(*_):  # Ctrl-C once "fast" is done, with "slow" running
+        while not (tmp_path / "slow.pid").exists():
+            time.sleep(0.05)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run.run_all(["fast", "slow"], ["eager"], timeout_s=60, jobs=2, on_family_done=interrupt)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "slow.pid").read_text()), 0)
 
 
 def _row(status: Status, implementation="eager", **fields) -> Row:

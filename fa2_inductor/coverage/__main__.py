@@ -1,4 +1,4 @@
-"""``python -m fa2_inductor.coverage [FAMILY ...] [--impls eager sdpa] [--json PATH] [--timeout-s N] [--jobs N]``"""
+"""``python -m fa2_inductor.coverage [FAMILY ...] [--impls eager sdpa] [--json PATH [--resume]] [--timeout-s N] [--jobs N]``"""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from . import models, report, run
-from .results import Row, family_status
+from .results import Row
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -24,6 +24,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=300.0,
                         help="time limit per family and implementation, seconds (default: %(default)s)")
     parser.add_argument("--jobs", type=int, default=1, help="families measured side by side (default: %(default)s)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the families already in the --json file (it is rewritten after every family, "
+                             "so an interrupted sweep resumes where it stopped)")
     args = parser.parse_args(argv)
     known = models.families()
     unknown = [family for family in args.families if family not in known]
@@ -31,19 +34,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unknown families {unknown}; this transformers knows e.g. {known[:5]} ({len(known)} in all)")
     if args.timeout_s <= 0 or args.jobs < 1:
         parser.error("--timeout-s must be > 0 and --jobs >= 1")
+    if args.resume and args.json is None:
+        parser.error("--resume needs --json PATH")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     families = args.families or models.families()
+    settings = {"implementations": args.impls, "timeout_s": args.timeout_s}
+    kept = report.read_json(args.json) if args.resume and args.json.exists() else []
+    kept = [row for row in kept if row.family in families and row.implementation in args.impls]
+    finished = list(kept)
+    todo = [family for family in families if family not in {row.family for row in kept}]
     start = time.perf_counter()
 
     def progress(done: int, family: str, rows: list[Row], seconds: float) -> None:
         verdicts = ", ".join(f"{row.implementation} {row.status.value}" for row in rows)
-        print(f"[{done}/{len(families)}] {family}: {verdicts}  {seconds:.1f} s", file=sys.stderr, flush=True)
+        print(f"[{done}/{len(todo)}] {family}: {verdicts}  {seconds:.1f} s", file=sys.stderr, flush=True)
+        finished.extend(rows)
+        if args.json:
+            report.write_json(args.json, finished, {**settings, "complete": False})
 
-    rows = run.run_all(families, args.impls, args.timeout_s, args.jobs, progress)
+    run.run_all(todo, args.impls, args.timeout_s, args.jobs, progress)
+    order = {family: i for i, family in enumerate(families)}
+    rows = sorted(finished, key=lambda row: order[row.family])  # stable: implementations keep their order
     print(report.table(rows, args.impls))
     defects = report.defects(rows)
     if defects:
@@ -52,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {row.family} {row.implementation}: {row.status.meaning}: {row.why()}")
     print("\n" + report.summary_line(rows) + f"  [{time.perf_counter() - start:.0f} s]")
     if args.json:
-        report.write_json(args.json, rows, {"implementations": args.impls, "timeout_s": args.timeout_s})
+        report.write_json(args.json, rows, {**settings, "complete": True})
     return 0
 
 

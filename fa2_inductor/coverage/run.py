@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Callable, Iterable
 from .results import Row, Status
 
 POLL_S = 0.2
+_stopping = threading.Event()
 # The child: ``CHILD_COMMAND + [family, result_dir, *implementations]`` (see ``measure``).
 CHILD_COMMAND = [sys.executable, "-m", "fa2_inductor.coverage.measure"]
 
@@ -50,6 +52,10 @@ def _run_child(family: str, implementations: list[str], folder: Path, timeout_s:
         started = time.time()  # wall clock, as the markers' modification times
         timed_out = False
         while child.poll() is None:
+            if _stopping.is_set():  # the sweep was interrupted: no orphaned children
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+                raise KeyboardInterrupt
             current = _current(folder, implementations)
             marker = folder / f"{current}.started"
             since = marker.stat().st_mtime if current and marker.exists() else started
@@ -91,12 +97,19 @@ def run_all(families: list[str], implementations: Iterable[str], timeout_s: floa
     rows, seconds)`` is called as each family finishes (in finishing order)."""
     implementations = list(implementations)
     results: dict[str, list[Row]] = {}
+    _stopping.clear()
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = {pool.submit(_timed, run_family, family, implementations, timeout_s): family for family in families}
-        for done, future in enumerate(as_completed(futures), 1):
-            family = futures[future]
-            results[family], seconds = future.result()
-            on_family_done(done, family, results[family], seconds)
+        try:
+            for done, future in enumerate(as_completed(futures), 1):
+                family = futures[future]
+                results[family], seconds = future.result()
+                on_family_done(done, family, results[family], seconds)
+        except BaseException:
+            _stopping.set()
+            for future in futures:
+                future.cancel()
+            raise
     return [row for family in families for row in results[family]]
 
 
