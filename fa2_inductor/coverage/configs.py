@@ -26,7 +26,11 @@ _SIZES = {
     **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
                      "decoder_attention_heads", "attention_heads"), HEADS),
     **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), KV_HEADS),
-    **dict.fromkeys(("head_dim", "d_kv", "attention_head_size", "kv_channels", "qk_head_dim", "v_head_dim"), HEAD_DIM),
+    **dict.fromkeys(("head_dim", "d_kv", "attention_head_size", "kv_channels", "v_head_dim"), HEAD_DIM),
+    # Multi-head latent attention (DeepSeek-V2/V3): q/k head dim = nope + rope parts, low-rank projections.
+    **dict.fromkeys(("qk_nope_head_dim", "qk_rope_head_dim"), HEAD_DIM // 2),
+    **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 2 * HEAD_DIM),
+    **dict.fromkeys(("n_group", "topk_group"), 1),  # expert groups must divide the (fewer) experts
     **dict.fromkeys(("intermediate_size", "d_ff", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
                      "ffn_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size",
                      "ffn_size", "hidden_dim", "mlp_dim"), INTERMEDIATE),
@@ -76,6 +80,9 @@ def _overrides(config) -> dict:
         for name in ("head_dim", "d_kv"):
             if name in overrides:
                 overrides[name] = HIDDEN // heads
+    if "qk_rope_head_dim" in overrides:  # MLA: head_dim is the rope part; K/V come per head from the latent
+        overrides.update({name: value for name, value in (("head_dim", HEAD_DIM // 2), ("num_key_value_heads", HEADS))
+                          if name in overrides})
     for name in _LAYER_COUNTS:
         layers = values.get(name)
         if isinstance(layers, int) and layers > LAYERS:
