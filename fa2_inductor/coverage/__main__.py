@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -39,8 +40,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # as Ctrl-C: the children are killed, the JSON keeps the finished families
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _sweep(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _sweep(args: argparse.Namespace) -> int:
     families = args.families or models.families()
     settings = {"implementations": args.impls, "timeout_s": args.timeout_s}
     kept = report.read_json(args.json) if args.resume and args.json.exists() else []
