@@ -4,7 +4,7 @@ A family is a ``model_type`` of transformers' auto mappings. Its model is the se
 class where it has one, for logits, else its base model; the config is ``configs.tiny_config`` of the
 family's config class. Inputs follow the model's ``main_input_name``: token ids with a right-padded
 attention mask (one row full, one with its last quarter padded, as a tokenizer pads a batch), images,
-audio samples or audio features; encoder-decoder models also get decoder token ids.
+audio samples or audio features; dual encoders (CLIP-like) get images too; encoder-decoder models also get decoder token ids.
 """
 
 from __future__ import annotations
@@ -82,6 +82,8 @@ def make_inputs(model) -> dict:
         raise ValueError(f"no inputs for main input {name!r}")
     if name == "input_ids" and "attention_mask" in parameters:
         inputs["attention_mask"] = _right_padded_mask(SEQ)
+    if name == "input_ids" and "pixel_values" in parameters and _is_dual_encoder(config):  # CLIP-like: both towers
+        inputs["pixel_values"] = torch.randn(_image_shape(config), generator=generator)
     if "decoder_input_ids" in parameters and getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = _token_ids(config, DECODER_SEQ, generator)
     return inputs
@@ -114,6 +116,11 @@ def _feature_shape(config) -> tuple:
     if hasattr(config, "feature_size"):
         return (BATCH, AUDIO_FRAMES, config.feature_size)
     raise ValueError("no known shape for input_features")
+
+
+def _is_dual_encoder(config) -> bool:
+    """Text and vision towers side by side (CLIP, SigLIP, ...): the forward needs both inputs."""
+    return hasattr(config, "text_config") and hasattr(config, "vision_config") and hasattr(config, "projection_dim")
 
 
 def _text_attribute(config, name: str):
