@@ -66,6 +66,31 @@ def shrink(config):
     return shrunk
 
 
+def _per_layer_entries(values: dict, layers: int) -> dict:
+    """Per-layer lists and patterns (layer_types, "M-M*" strings, ...) cut to the kept layers, and layer
+    indices/periods moved inside them. The kept layers are the first of each kind of the first such list,
+    so a hybrid model (mostly linear attention or Mamba, some full attention) keeps an attention layer."""
+    per_layer = {name: entries for name, entries in values.items()
+                 if isinstance(entries, (list, tuple, str)) and len(entries) == layers and not name.startswith("_")}
+    kinds = next(iter(per_layer.values()), range(layers))
+    kept = sorted({kinds.index(kind) for kind in kinds})[:LAYERS]
+    kept += [i for i in range(layers) if i not in kept][: LAYERS - len(kept)]
+    kept.sort()
+    cut = {}
+    for name, entries in per_layer.items():
+        picked = [entries[i] for i in kept]
+        cut[name] = "".join(picked) if isinstance(entries, str) else type(entries)(picked)
+    for name, value in values.items():  # which layers have attention, by index or by period
+        if (name.endswith(("layer_indices", "layers_idxs", "attn_idxs")) and isinstance(value, (list, tuple))
+                and value and all(isinstance(i, int) for i in value)):
+            cut[name] = type(value)([LAYERS - 1])
+        elif name.endswith("_period") and isinstance(value, int) and value > LAYERS:
+            cut[name] = LAYERS
+        elif name.endswith("_offset") and isinstance(value, int) and value >= LAYERS:
+            cut[name] = LAYERS - 1
+    return cut
+
+
 def _sub_configs(config) -> dict:
     from transformers import PretrainedConfig
 
@@ -87,9 +112,7 @@ def _overrides(config) -> dict:
         layers = values.get(name)
         if isinstance(layers, int) and layers > LAYERS:
             overrides[name] = LAYERS
-            for list_name, entries in values.items():  # per-layer lists (layer_types, block sizes, ...)
-                if isinstance(entries, (list, tuple)) and len(entries) == layers:
-                    overrides[list_name] = type(entries)(entries[:LAYERS])
+            overrides.update(_per_layer_entries(values, layers))
     for name, cap in _CAPS.items():
         if isinstance(values.get(name), int) and values[name] > cap:
             overrides[name] = cap
