@@ -50,6 +50,20 @@ def test_an_attention_free_model_and_an_unsupported_implementation_are_not_count
     assert report.summary(rows)["counted"] == 0
 
 
+def test_tiny_configs_keep_each_kind_of_layer_and_consistent_head_dims():
+    from transformers import DeepseekV3Config, Gemma3TextConfig, Qwen3NextConfig
+
+    from fa2_inductor.coverage import configs
+
+    hybrid = configs.tiny_config(Qwen3NextConfig)  # three linear-attention layers to one full one
+    assert hybrid.num_hidden_layers == 2 and hybrid.layer_types == ["linear_attention", "full_attention"]
+    sliding = configs.tiny_config(Gemma3TextConfig)  # five sliding-window layers to one global one
+    assert sliding.layer_types == ["sliding_attention", "full_attention"] and sliding.sliding_window < 12
+    latent = configs.tiny_config(DeepseekV3Config)
+    assert (latent.hidden_size, latent.num_hidden_layers, latent.n_routed_experts) == (64, 2, 4)
+    assert latent.qk_head_dim == latent.qk_nope_head_dim + latent.qk_rope_head_dim
+
+
 # Stand-in children: they write the markers ``measure`` writes, then hang or die where the test says.
 _STAND_IN = textwrap.dedent("""
     import json, os, sys, time
