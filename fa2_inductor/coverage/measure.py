@@ -41,19 +41,20 @@ class CountAttentionCalls(TorchFunctionMode):
 
 
 def first_float_output(output) -> torch.Tensor:
-    """The logits where the model returns them, else its first floating-point tensor."""
+    """The logits where the model returns them, else its first floating-point tensor (depth first)."""
+    if isinstance(output, torch.Tensor):
+        if output.is_floating_point():
+            return output
+        raise ValueError("an integer tensor")
     logits = getattr(output, "logits", None)
     if isinstance(logits, torch.Tensor):
         return logits
-    values = output.values() if hasattr(output, "values") else output if isinstance(output, (tuple, list)) else [output]
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value
-        if isinstance(value, (tuple, list)) or hasattr(value, "values"):
-            try:
-                return first_float_output(value)
-            except ValueError:
-                continue
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else []
+    for value in values:  # ModelOutput is a dict; caches and other objects are skipped
+        try:
+            return first_float_output(value)
+        except ValueError:
+            continue
     raise ValueError("the model returned no floating-point tensor")
 
 
