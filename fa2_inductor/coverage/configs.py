@@ -37,6 +37,7 @@ _SIZES = {
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), EXPERTS),
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"), EXPERTS_PER_TOKEN),
     "vocab_size": VOCAB,
+    "rotary_dim": HEAD_DIM // 2,  # the rotated part of a head (CodeGen, GPT-J)
 }
 _LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers",
                  "num_decoder_layers", "num_encoder_layers")
@@ -91,6 +92,13 @@ def _per_layer_entries(values: dict, layers: int) -> dict:
     return cut
 
 
+def _rescaled(sections: list, total: int) -> list:
+    """``sections`` scaled to add up to ``total`` (each at least 1)."""
+    scaled = [max(1, section * total // sum(sections)) for section in sections]
+    scaled[0] += total - sum(scaled)
+    return scaled
+
+
 def _sub_configs(config) -> dict:
     from transformers import PretrainedConfig
 
@@ -99,6 +107,7 @@ def _sub_configs(config) -> dict:
 
 def _overrides(config) -> dict:
     values = vars(config)
+    config_class = type(config)
     overrides = {name: size for name, size in _SIZES.items() if isinstance(values.get(name), int)}
     if "head_dim" in overrides or "d_kv" in overrides:  # kept consistent with the heads
         heads = overrides.get("num_attention_heads", overrides.get("num_heads", HEADS))
@@ -121,6 +130,12 @@ def _overrides(config) -> dict:
             overrides[name] = size
     if isinstance(values.get("sliding_window"), int) and values["sliding_window"] > 0:
         overrides["sliding_window"] = 8  # shorter than the inputs, so a window really cuts keys
+    for name in ("rope_parameters", "rope_scaling"):  # multimodal RoPE: sections add up to half a head
+        rope = values.get(name)
+        uses_mrope = "mrope_section" in getattr(config_class, "ignore_keys_at_rope_validation", ())
+        if isinstance(rope, dict) and (uses_mrope or "mrope_section" in rope):
+            # absent: the modelling code's default, Qwen2-VL's 16/24/24 split of a 128-dim head
+            overrides[name] = {**rope, "mrope_section": _rescaled(rope.get("mrope_section", [16, 24, 24]), HEAD_DIM // 2)}
     if "vocab_size" in overrides:  # special tokens moved into the top of the tiny vocabulary, kept distinct
         special = [name for name, token_id in values.items() if name.endswith("token_id")
                    and isinstance(token_id, int) and token_id >= VOCAB]

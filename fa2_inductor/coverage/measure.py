@@ -110,10 +110,13 @@ def _compile_and_compare(row: Row, model, inputs: dict, expected: torch.Tensor, 
             got = first_float_output(torch.compile(model, backend="fa2_inductor")(**inputs))
     except Exception as error:
         row.status, row.error = Status.CRASHED, one_line(error)
+        row.note = _inductor_alone(model, inputs, expected)
         return
     row.sites_total = len(records)
     row.sites_rewritten = sum(record.rewritten for record in records)
     row.refusals = dict(Counter(str(record.reason) for record in records if not record.rewritten))
+    row.refusal_details = sorted({f"{record.reason}: {record.detail}" for record in records
+                                  if not record.rewritten and record.detail})
     row.max_abs_diff = _max_abs_diff(got, expected)
     if calls.sdpa > row.sites_total:
         row.note = f"{calls.sdpa} SDPA calls, {row.sites_total} sites recognised"
@@ -135,7 +138,7 @@ def _max_abs_diff(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _inductor_alone(model, inputs: dict, expected: torch.Tensor) -> str:
-    """Whether plain Inductor gives the same difference (then the pass is not the cause)."""
+    """Whether plain Inductor gives the same difference or error (then the pass is not the cause)."""
     torch._dynamo.reset()
     try:
         with torch.no_grad():

@@ -47,6 +47,7 @@ class Row:
     sites_rewritten: int = 0
     sites_total: int = 0  # sites the pass recognised: rewritten + refused
     refusals: dict = field(default_factory=dict)  # reason -> count
+    refusal_details: list = field(default_factory=list)  # "reason: detail", each once
     max_abs_diff: Optional[float] = None
     error: str = ""  # build or run failure, one line
     note: str = ""  # what else was seen (e.g. SDPA calls the pass did not recognise)
@@ -71,6 +72,8 @@ class Row:
             return "no attention found" + (f" ({self.note})" if self.note else "")
         if self.status is Status.TIMED_OUT:
             return "timed out"
+        if self.status is Status.CRASHED:
+            return f"crashed: {self.error}" + (f"; {self.note}" if self.note else "")
         if self.status is Status.ATTENTION_FREE:
             return "no softmax or SDPA in the model"
         return f"{self.status.value.replace('_', ' ')}: {self.error}"
