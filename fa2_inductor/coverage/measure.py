@@ -134,7 +134,9 @@ def _compile_and_compare(row: Row, model, inputs: dict, expected: torch.Tensor, 
 def _max_abs_diff(got: torch.Tensor, expected: torch.Tensor) -> float:
     if got.shape != expected.shape:
         return float("inf")
-    return (got.double() - expected.double()).abs().nan_to_num(nan=float("inf")).max().item() if got.numel() else 0.0
+    both_nan = got.isnan() & expected.isnan()
+    difference = (got.double() - expected.double()).abs().masked_fill(both_nan, 0.0)
+    return difference.nan_to_num(nan=float("inf")).max().item() if got.numel() else 0.0
 
 
 def _inductor_alone(model, inputs: dict, expected: torch.Tensor) -> str:
