@@ -1,0 +1,171 @@
+"""One family × attention implementation, measured in this process (``run`` starts it as a child).
+
+``python -m fa2_inductor.coverage.measure FAMILY RESULT_DIR IMPL...`` measures the implementations one
+after the other; for each it writes ``IMPL.started`` when it begins, ``IMPL.built`` once the model runs
+uncompiled (a time-out after that is the compile's, not the build's) and the row as ``IMPL.json``.
+Inductor compiles scalar C++ here (vectorisation off): about twice as fast to compile, and the pass sees
+the same graph.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .results import TOLERANCE, Row, Status
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+class CountAttentionCalls(TorchFunctionMode):
+    """Counts softmax and SDPA calls at the torch API level (what the model asks for, before decompositions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.softmax = 0
+        self.sdpa = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is _SDPA:
+            self.sdpa += 1
+        elif getattr(func, "__name__", "") == "softmax":  # torch.softmax, F.softmax, Tensor.softmax
+            self.softmax += 1
+        return func(*args, **(kwargs or {}))
+
+
+def first_float_output(output) -> torch.Tensor:
+    """The logits where the model returns them, else its first floating-point tensor (depth first)."""
+    if isinstance(output, torch.Tensor):
+        if output.is_floating_point():
+            return output
+        raise ValueError("an integer tensor")
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else []
+    for value in values:  # ModelOutput is a dict; caches and other objects are skipped
+        try:
+            return first_float_output(value)
+        except ValueError:
+            continue
+    raise ValueError("the model returned no floating-point tensor")
+
+
+def one_line(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".strip().splitlines()[0]
+    return text[:200]
+
+
+def measure(family: str, implementation: str, built_marker: Path | None = None) -> Row:
+    from . import models
+
+    start = time.perf_counter()
+    row = Row(family, implementation, Status.BUILD_FAILED)
+    try:
+        row.model_class = models.model_class_name(family)
+        if implementation not in models.implementations(family):
+            row.status = Status.NOT_SUPPORTED
+            return row
+        model, inputs = models.build(family, implementation)
+        if "use_cache" in _forward_parameters(model):
+            inputs["use_cache"] = False  # one prefill forward: no cache objects in the graph
+        calls = CountAttentionCalls()
+        with torch.no_grad(), calls:
+            expected = first_float_output(model(**inputs))
+    except Exception as error:
+        row.error = one_line(error)
+        row.seconds = time.perf_counter() - start
+        return row
+    if built_marker is not None:
+        built_marker.touch()
+    if calls.softmax == calls.sdpa == 0:
+        row.status = Status.ATTENTION_FREE
+    else:
+        _compile_and_compare(row, model, inputs, expected, calls)
+    row.seconds = time.perf_counter() - start
+    return row
+
+
+def _forward_parameters(model) -> set:
+    import inspect
+
+    return set(inspect.signature(model.forward).parameters)
+
+
+def _compile_and_compare(row: Row, model, inputs: dict, expected: torch.Tensor, calls: CountAttentionCalls) -> None:
+    import fa2_inductor
+    from fa2_inductor.passes import report
+
+    fa2_inductor.config.rewrite_on_cpu = True
+    torch._dynamo.reset()
+    try:
+        with report.collecting() as records, torch.no_grad():
+            got = first_float_output(torch.compile(model, backend="fa2_inductor")(**inputs))
+    except Exception as error:
+        row.status, row.error = Status.CRASHED, one_line(error)
+        row.note = _inductor_alone(model, inputs, expected)
+        return
+    row.sites_total = len(records)
+    row.sites_rewritten = sum(record.rewritten for record in records)
+    row.refusals = dict(Counter(str(record.reason) for record in records if not record.rewritten))
+    row.refusal_details = sorted({f"{record.reason}: {record.detail}" for record in records
+                                  if not record.rewritten and record.detail})
+    row.max_abs_diff = _max_abs_diff(got, expected)
+    if calls.sdpa > row.sites_total:
+        row.note = f"{calls.sdpa} SDPA calls, {row.sites_total} sites recognised"
+    elif row.sites_total == 0:
+        row.note = f"{calls.softmax} softmax calls in the uncompiled forward"
+    if not torch.allclose(got, expected, **TOLERANCE):
+        row.status = Status.LOGITS_DIFFER
+        row.note = _inductor_alone(model, inputs, expected)
+    elif row.sites_total == 0:
+        row.status = Status.NO_ATTENTION
+    else:
+        row.status = Status.FULL if row.sites_rewritten == row.sites_total else Status.PARTIAL
+
+
+def _max_abs_diff(got: torch.Tensor, expected: torch.Tensor) -> float:
+    if got.shape != expected.shape:
+        return float("inf")
+    both_nan = got.isnan() & expected.isnan()
+    difference = (got.double() - expected.double()).abs().masked_fill(both_nan, 0.0)
+    return difference.nan_to_num(nan=float("inf")).max().item() if got.numel() else 0.0
+
+
+def _inductor_alone(model, inputs: dict, expected: torch.Tensor) -> str:
+    """Whether plain Inductor gives the same difference or error (then the pass is not the cause)."""
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            got = first_float_output(torch.compile(model, backend="inductor")(**inputs))
+    except Exception as error:
+        return f"plain Inductor raised {one_line(error)}"
+    if torch.allclose(got, expected, **TOLERANCE):
+        return "plain Inductor matches"
+    return f"plain Inductor differs too (max |diff| {_max_abs_diff(got, expected):.3g})"
+
+
+def main(argv: list[str]) -> None:
+    family, result_dir, *implementations = argv
+    result_dir = Path(result_dir)
+    torch._inductor.config.compile_threads = 1  # the sweep runs its jobs side by side instead
+    torch._inductor.config.cpp.vec_isa_ok = False
+    for implementation in implementations:
+        (result_dir / f"{implementation}.started").touch()
+        try:
+            row = measure(family, implementation, result_dir / f"{implementation}.built")
+        except Exception as error:  # a bug of the sweep itself still gives a row
+            traceback.print_exc()
+            row = Row(family, implementation, Status.CRASHED, error=one_line(error))
+        (result_dir / f"{implementation}.json").write_text(json.dumps(row.to_json()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
