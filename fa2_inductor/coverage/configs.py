@@ -22,7 +22,7 @@ EXPERTS = 4
 EXPERTS_PER_TOKEN = 2
 
 _SIZES = {
-    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_embed_proj_dim"), HIDDEN),
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "emb_dim", "dim", "word_embed_proj_dim"), HIDDEN),
     **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
                      "decoder_attention_heads", "attention_heads"), HEADS),
     **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), KV_HEADS),
