@@ -174,6 +174,26 @@ def _check_run(doc: dict, source: str) -> list[str]:
     return lines + _table(["stage", "status", "rc", "wall s", "result"], rows)
 
 
+# ---------------------------------------------------------------- python -m fa2_inductor.coverage
+
+
+def _coverage(doc: dict, source: str) -> list[str]:
+    from ..coverage.report import summary_line
+    from ..coverage.results import COUNTED, Row, Status, by_family, family_status
+
+    rows = [Row.from_json(data) for data in doc["rows"]]
+    lines = ["## Hugging Face families rewritten (`python -m fa2_inductor.coverage`)", "",
+             f"transformers {doc['transformers']}, torch {doc['torch']}, CPU; every row: `{source}`.", "",
+             summary_line(rows) + ".", ""]
+    table = []
+    for family, family_rows in by_family(rows).items():
+        status = family_status(family_rows)
+        if status in COUNTED and status is not Status.FULL:
+            why = "; ".join(f"{row.implementation}: {row.why()}" for row in family_rows if row.why())
+            table.append([family, status.value, why.replace("|", "\\|")])  # "max |diff|" inside a table cell
+    return lines + _table(["family (not fully rewritten)", "verdict", "why"], sorted(table))
+
+
 # ---------------------------------------------------------------- the document
 
 # (recognises a document, renders it); sections come out in this order.
@@ -182,6 +202,7 @@ _KINDS: list[tuple[Callable[[dict], bool], Callable[[dict, str], list[str]]]] = 
     (lambda doc: "impls" in doc.get("settings", {}), _kernel_sweep),
     (lambda doc: "mask_rows" in doc, _mask_rows),
     (lambda doc: "model" in doc and "results" in doc, _end_to_end),
+    (lambda doc: "rows" in doc and "transformers" in doc, _coverage),
 ]
 
 
