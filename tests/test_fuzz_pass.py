@@ -429,7 +429,12 @@ def fuzz_pass():
     counters.clear()
 
 
-@pytest.mark.parametrize("seed", range(CASES))
+# Seeds a long run once failed on, kept in every run (208 ... 1226: the output viewed with another rank
+# than P @ V's crashed the rewrite's layout map).
+FOUND = (208, 553, 622, 637, 868, 1226)
+
+
+@pytest.mark.parametrize("seed", sorted(set(range(CASES)) | set(FOUND)))
 def test_graph_passes_equal_eager(fuzz_pass, seed):
     check_case(draw_case(seed), graph_passes_backend)
 

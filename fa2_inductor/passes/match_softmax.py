@@ -767,6 +767,8 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     layouts = {"q": tuple(q_dims), "k": tuple(k_dims), "v": tuple(v_dims), "out": FLAT if pv.batch_rank == 1 else BHSD}
     if any(tensor_val(node).dim() != len(layouts[name]) for name, node in (("q", q), ("k", k), ("v", v))):
         return site.refuse(Refusal.UNRECOGNISED_LAYOUT, "q, k or v seen through a view that drops a size-1 dim")
+    if tensor_val(site.anchor).dim() != len(layouts["out"]):
+        return site.refuse(Refusal.UNRECOGNISED_LAYOUT, "the output viewed with another rank than P @ V's")
     site.q, site.k, site.v, site.layouts = q, k, v, layouts
     _record_scale(site, scores.factors, q_factors, k_factors)
     site.mask = scores.masks[0] if scores.masks else None
