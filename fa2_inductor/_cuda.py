@@ -111,10 +111,7 @@ def reference_fallback(
     """(out, lse) of a CUDA call the kernel does not run: the reference's, correct but slow, so the call is
     counted under ``reference_fallback:<reason>`` and each reason is announced once."""
     note_reference_fallback(reason)
-    out, lse = reference.empty_outputs(q, v)
-    reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows, softcap,
-                                sinks)
-    return out, lse
+    return reference.attention_reference(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows, softcap, sinks)
 
 
 if _extension.C is not None:

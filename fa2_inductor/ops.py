@@ -101,13 +101,6 @@ def _check_mask(attn_mask: Tensor, shape: tuple, q: Tensor) -> None:
         raise ValueError(f"flash_attention: attn_mask of shape {mask_shape} does not broadcast to [B, Hq, Sq, Sk] = {list(shape)}")
 
 
-def _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows, softcap, sinks):
-    out, lse = reference.empty_outputs(q, v)
-    reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows, softcap,
-                                sinks)
-    return out, lse
-
-
 @torch.library.custom_op("fa2_inductor::flash_attention_fwd", mutates_args=())
 def flash_attention_fwd(
     q: Tensor,
@@ -122,7 +115,7 @@ def flash_attention_fwd(
     sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     check_inputs(q, k, v, attn_mask, is_causal, window_left, empty_rows, softcap, sinks)
-    return _reference_fwd(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows, softcap, sinks)
+    return reference.attention_reference(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows, softcap, sinks)
 
 
 def _register_cuda_kernel(op, fn) -> None:
