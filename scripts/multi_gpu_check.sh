@@ -8,8 +8,8 @@
 #   bash scripts/multi_gpu_check.sh RESULTS_DIR        (CP_ARGS="--seqs 32768 65536" to change the benchmark)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: $0 RESULTS_DIR}
-mkdir -p "$OUT"
+RESULTS=${1:?usage: $0 RESULTS_DIR}
+mkdir -p "$RESULTS"
 PYTHON=${PYTHON:-python}
 # NVLink multicast is not used.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -21,25 +21,25 @@ step() {
     shift
     echo "== $name: $*"
     local start=$SECONDS
-    if "$@" >"$OUT/$name.log" 2>&1; then
+    if "$@" >"$RESULTS/$name.log" 2>&1; then
         echo "   ok ($((SECONDS - start)) s)"
     else
-        echo "   FAILED ($((SECONDS - start)) s), last lines of $OUT/$name.log:"
-        tail -n 30 "$OUT/$name.log" | sed 's/^/   | /'
+        echo "   FAILED ($((SECONDS - start)) s), last lines of $RESULTS/$name.log:"
+        tail -n 30 "$RESULTS/$name.log" | sed 's/^/   | /'
         status=1
     fi
 }
 torchrun_n() { "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$@"; }
 
-"$PYTHON" -c "import torch, fa2_inductor; print('torch', torch.__version__, '| GPUs:', torch.cuda.device_count(), '|', fa2_inductor.__version__)" | tee "$OUT/environment.txt"
-step fsdp2_1 torchrun_n 1 -m tests.distributed.llama_flows fsdp2 --out "$OUT/fsdp2_1.json"
-step fsdp2_2 torchrun_n 2 -m tests.distributed.llama_flows fsdp2 --out "$OUT/fsdp2_2.json"
-step tp_2 torchrun_n 2 -m tests.distributed.llama_flows tp --out "$OUT/tp_2.json"
+"$PYTHON" -c "import torch, fa2_inductor; print('torch', torch.__version__, '| GPUs:', torch.cuda.device_count(), '|', fa2_inductor.__version__)" | tee "$RESULTS/environment.txt"
+step fsdp2_1 torchrun_n 1 -m tests.distributed.llama_flows fsdp2 --out "$RESULTS/fsdp2_1.json"
+step fsdp2_2 torchrun_n 2 -m tests.distributed.llama_flows fsdp2 --out "$RESULTS/fsdp2_2.json"
+step tp_2 torchrun_n 2 -m tests.distributed.llama_flows tp --out "$RESULTS/tp_2.json"
 # shellcheck disable=SC2086
-step cp_2 torchrun_n 2 -m fa2_inductor.distributed.bench_cp --out "$OUT/cp_2.json" ${CP_ARGS:-}
+step cp_2 torchrun_n 2 -m fa2_inductor.distributed.bench_cp --out "$RESULTS/cp_2.json" ${CP_ARGS:-}
 # The flows above are what test_llama_flows.py checks; the report below checks their JSON the same way.
 step pytest "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/distributed --ignore tests/distributed/test_llama_flows.py
 echo
-"$PYTHON" -m tests.distributed.report "$OUT" | tee "$OUT/report.txt"
+"$PYTHON" -m tests.distributed.report "$RESULTS" | tee "$RESULTS/report.txt"
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 exit $status
