@@ -206,6 +206,22 @@ int check_window(const char* fn, bool is_causal, int64_t window_left) {
   return int(window_left);
 }
 
+// Soft-capping and sinks into the params. sinks ([Hq], any float dtype) is read as float32: the returned
+// tensor holds that copy and must outlive the launch.
+at::Tensor set_softcap_and_sinks(const char* fn, fa2::FwdParams& p, double softcap,
+                                 const std::optional<at::Tensor>& sinks) {
+  FA2_CHECK(softcap >= 0 && softcap < std::numeric_limits<double>::infinity(), fn,
+              ": softcap must be finite and >= 0 (0: no soft-capping)");
+  p.softcap = float(softcap);
+  if (!sinks.has_value()) return at::Tensor();
+  FA2_CHECK(sinks->is_cuda() && sinks->dim() == 1 && sinks->size(0) == p.heads_q &&
+                at::isFloatingType(sinks->scalar_type()),
+            fn, ": sinks must be a floating CUDA tensor of shape [Hq]");
+  at::Tensor sinks_f32 = sinks->to(at::kFloat).contiguous();
+  p.sinks = sinks_f32.data_ptr<float>();
+  return sinks_f32;
+}
+
 void check_launch(const char* fn, cudaError_t err) {
   FA2_CHECK(err == cudaSuccess, fn, ": kernel launch failed: ", cudaGetErrorString(err));
 }
@@ -213,11 +229,13 @@ void check_launch(const char* fn, cudaError_t err) {
 // rows_filter (optional, float32 with lse's shape and strides): only query tiles holding a row that is
 // -inf there run; the others leave out and lse untouched.
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-         double scale, bool is_causal, int64_t window_left, const std::optional<at::Tensor>& rows_filter) {
+         double scale, bool is_causal, int64_t window_left, const std::optional<at::Tensor>& rows_filter,
+         double softcap, const std::optional<at::Tensor>& sinks) {
   constexpr const char* fn = "fa2_inductor._C.fwd";
   fa2::FwdParams p = describe_call(fn, q, k, v, out, lse, scale);
   p.causal = is_causal;
   p.window_left = check_window(fn, is_causal, window_left);
+  const at::Tensor sinks_f32 = set_softcap_and_sinks(fn, p, softcap, sinks);
   if (rows_filter.has_value()) {
     const at::Tensor& f = *rows_filter;
     FA2_CHECK(f.device() == lse.device() && f.scalar_type() == at::kFloat && f.sizes() == lse.sizes() &&
@@ -236,11 +254,13 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
 // the causal (and window) positions are hidden too. The pre-pass writes into a workspace from the
 // caching allocator (stream-ordered, so CUDA-graph safe), then the masked kernel runs.
 void fwd_masked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-                double scale, const at::Tensor& mask, bool is_causal, int64_t window_left) {
+                double scale, const at::Tensor& mask, bool is_causal, int64_t window_left, double softcap,
+                const std::optional<at::Tensor>& sinks) {
   constexpr const char* fn = "fa2_inductor._C.fwd_masked";
   fa2::FwdParams p = describe_call(fn, q, k, v, out, lse, scale);
   p.causal = is_causal;
   p.window_left = check_window(fn, is_causal, window_left);
+  const at::Tensor sinks_f32 = set_softcap_and_sinks(fn, p, softcap, sinks);
   const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), Sk = k.size(2);
   FA2_CHECK(Sk > 0, fn, ": needs at least one key");
   FA2_CHECK(scale > 0, fn, ": scale must be positive");
@@ -507,10 +527,10 @@ Reason layout_reason(const char* name, const TensorMeta& t) {
 
 // None when the compiled kernel runs this call, else a short reason. The one place that decides it: the op's
 // CUDA implementation below, and through fa2_inductor._cuda the graph pass's device rules and explain.
+// Every compiled kernel soft-caps and takes sinks, so those two arguments never decide (yet).
 Reason unsupported_reason(const TensorMeta& q, const TensorMeta& k, const TensorMeta& v, const TensorMeta* mask,
-                          bool is_causal, int64_t window_left, double softcap, bool has_sinks) {
-  if (softcap != 0) return "softcap (no soft-capping kernel yet)";
-  if (has_sinks) return "attention sinks (no sinks kernel yet)";
+                          bool is_causal, int64_t window_left, [[maybe_unused]] double softcap,
+                          [[maybe_unused]] bool has_sinks) {
   if (window_left != -1 && !is_causal) return "window_left without is_causal";
   if (mask != nullptr) {
     Reason reason = mask_reason(*mask, q, k, is_causal);
@@ -568,7 +588,8 @@ struct ReferenceHooks {
   // (reason, q, k, v, attn_mask, scale, is_causal, window_left, empty_rows, softcap, sinks) -> (out, lse): counts the call
   // under reference_fallback:<reason>, warns once per reason, returns the reference's outputs.
   pybind11::object fallback;
-  // reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows).
+  // reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows, softcap,
+  // sinks).
   pybind11::object forward_into;
 };
 // Never destroyed: Python objects must not be released after the interpreter has gone.
@@ -599,9 +620,11 @@ std::tuple<at::Tensor, at::Tensor> reference_fallback(const std::string& reason,
 
 void reference_forward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<at::Tensor>& mask, double scale, bool is_causal, at::Tensor& out,
-                            at::Tensor& lse, int64_t window_left, int64_t empty_rows) {
+                            at::Tensor& lse, int64_t window_left, int64_t empty_rows, double softcap,
+                            const std::optional<at::Tensor>& sinks) {
   pybind11::gil_scoped_acquire gil;
-  hooks_for("scale 0").forward_into(q, k, v, mask, scale, is_causal, out, lse, window_left, empty_rows);
+  hooks_for("scale 0").forward_into(q, k, v, mask, scale, is_causal, out, lse, window_left, empty_rows, softcap,
+                                    sinks);
 }
 
 // ------------------------------------------------------------------------------------------------ the op
@@ -619,17 +642,21 @@ std::tuple<at::Tensor, at::Tensor> empty_outputs(const at::Tensor& q, const at::
 // The op's meaning on the kernel, into preallocated out and lse, for calls unsupported_reason accepted.
 void forward(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
              double scale, bool is_causal, const std::optional<at::Tensor>& mask, int64_t window_left,
-             int64_t empty_rows) {
+             int64_t empty_rows, double softcap, const std::optional<at::Tensor>& sinks) {
   FA2_CHECK(q_in.dim() == 4 && k.dim() == 4, "fa2_inductor._C.forward: q and k must be 4-D");
   if (q_in.size(0) == 0 || q_in.size(1) == 0 || q_in.size(2) == 0) return;
   c10::cuda::CUDAGuard guard(q_in.device());
-  if (k.size(2) == 0) {  // no key at all: every row is empty (and has no key to attend to)
+  if (k.size(2) == 0) {  // no key at all: every row is empty (its weight, if any, all on the sink)
     out.zero_();
-    lse.fill_(-std::numeric_limits<double>::infinity());
+    if (sinks.has_value()) {
+      lse.copy_(sinks->to(at::kFloat).view({1, -1, 1}).expand_as(lse));
+    } else {
+      lse.fill_(-std::numeric_limits<double>::infinity());
+    }
     return;
   }
   if (scale == 0) {  // rare: the kernels mask scores with -inf before scaling (0 * -inf = NaN)
-    reference_forward_into(q_in, k, v, mask, 0.0, is_causal, out, lse, window_left, empty_rows);
+    reference_forward_into(q_in, k, v, mask, 0.0, is_causal, out, lse, window_left, empty_rows, softcap, sinks);
     return;
   }
   at::Tensor q = q_in;
@@ -639,17 +666,17 @@ void forward(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, a
   }
   if (mask.has_value()) {
     fwd_masked(q, k, v, out, lse, scale, mask->expand({q.size(0), q.size(1), q.size(2), k.size(2)}), is_causal,
-               window_left);
+               window_left, softcap, sinks);
   } else {
-    fwd(q, k, v, out, lse, scale, is_causal, window_left, std::nullopt);
+    fwd(q, k, v, out, lse, scale, is_causal, window_left, std::nullopt, softcap, sinks);
   }
   if (empty_rows == int64_t(EmptyRows::kMeanV)) {
     fill_empty_rows(out, lse, v, std::nullopt);
   } else if (empty_rows == int64_t(EmptyRows::kAllKeys)) {
-    // Unmasked attention for the query tiles holding an empty row (the others exit at once), then those
-    // rows copied over.
+    // Unmasked (still soft-capped) attention for the query tiles holding an empty row (the others exit at
+    // once), then those rows copied over. Sinks never come here: they leave no row empty.
     auto [unmasked, unmasked_lse] = empty_outputs(q, v);
-    fwd(q, k, v, unmasked, unmasked_lse, scale, false, -1, lse);
+    fwd(q, k, v, unmasked, unmasked_lse, scale, false, -1, lse, softcap, std::nullopt);
     fill_empty_rows(out, lse, v, unmasked);
   }
 }
@@ -671,11 +698,15 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_cuda(const at::Tensor& q,
   }
   c10::cuda::CUDAGuard guard(q.device());
   auto [out, lse] = empty_outputs(q, v);
-  forward(q, k, v, out, lse, scale, is_causal, mask, window_left, empty_rows);
+  forward(q, k, v, out, lse, scale, is_causal, mask, window_left, empty_rows, softcap, sinks);
   return {out, lse};
 }
 
 // ---------------------------------------------------------------------------------------- registration
+
+// Raised whenever a binding's arguments change, so that a build from older sources is refused at import
+// (fa2_inductor/_extension.py INTERFACE_VERSION) instead of failing at its first call.
+constexpr int64_t kInterfaceVersion = 2;
 
 std::vector<std::tuple<int64_t, std::string>> compiled_kernels() {
   std::vector<std::tuple<int64_t, std::string>> result;
@@ -867,18 +898,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fa2_inductor Hopper (sm_90a) FlashAttention forward kernel";
   m.def("fwd", &fwd, "Attention forward into preallocated out [B,Hq,Sq,D] and lse [B,Hq,Sq] (float32)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
-        py::arg("is_causal"), py::arg("window_left"), py::arg("rows_filter") = py::none());
+        py::arg("is_causal"), py::arg("window_left"), py::arg("rows_filter") = py::none(), py::arg("softcap") = 0.0,
+        py::arg("sinks") = py::none());
   m.def("fwd_masked", &fwd_masked,
         "Masked attention forward (mask expanded to [B,Hq,Sq,Sk]: bool = attend, or additive float32/bf16/fp16)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"), py::arg("mask"),
-        py::arg("is_causal"), py::arg("window_left"));
+        py::arg("is_causal"), py::arg("window_left"), py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("fill_empty_rows", &fill_empty_rows, "Rows with lse = -inf get the mean of V over all keys, or source's rows when given",
         py::arg("out"), py::arg("lse"), py::arg("v"), py::arg("source") = py::none());
   m.def("forward", &forward,
         "The op's CUDA path into preallocated out and lse (for calls kernel_unsupported_reason accepts): special "
         "cases, mask broadcast, empty_rows policies",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
-        py::arg("is_causal"), py::arg("attn_mask"), py::arg("window_left"), py::arg("empty_rows"));
+        py::arg("is_causal"), py::arg("attn_mask"), py::arg("window_left"), py::arg("empty_rows"),
+        py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("kernel_unsupported_reason", &kernel_unsupported_reason,
         "None when the kernel runs the call, else why not; tensors as (sizes, strides, dtype, device, address or None)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("attn_mask"), py::arg("is_causal"), py::arg("window_left"),
@@ -888,6 +921,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "window_left, empty_rows, softcap, sinks) -> (out, lse), and forward_into (reference.attention_forward)",
         py::arg("fallback"), py::arg("forward_into"));
   m.def("compiled_kernels", &compiled_kernels, "List of (head_dim, dtype_name) compiled into this build");
+  m.def("interface_version", [] { return kInterfaceVersion; },
+        "The version of these bindings' arguments (fa2_inductor._extension refuses a build of another)");
   m.def("limits", &limits, "The limits every compiled kernel shares");
   register_bwd(m);  // the backward kernel binding's one line here
 }

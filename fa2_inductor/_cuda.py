@@ -74,6 +74,8 @@ def forward(
     attn_mask: Optional[Tensor] = None,
     window_left: int = -1,
     empty_rows: int = EmptyRows.ZERO,
+    softcap: float = 0.0,
+    sinks: Optional[Tensor] = None,
 ) -> None:
     """Runs the op's CUDA path into preallocated out [B,Hq,Sq,D] and lse [B,Hq,Sq] (float32, natural log),
     with the op's meaning of every argument; only for calls ``kernel_unsupported_reason`` accepted.
@@ -82,7 +84,7 @@ def forward(
     through its strides.
     """
     _extension.C.forward(q, k, v, out, lse, float(scale), bool(is_causal), attn_mask, int(window_left),
-                         int(empty_rows))
+                         int(empty_rows), float(softcap), sinks)
 
 
 def note_reference_fallback(reason: str) -> None:
@@ -129,8 +131,9 @@ def backward_kernel_unsupported_reason(
     attn_mask: Optional[Tensor], is_causal: bool, compute_mask_grad: bool, window_left: int = -1,
     softcap: float = 0.0, sinks: Optional[Tensor] = None,
 ) -> Optional[str]:
-    """None when ``backward_kernel`` runs this call: what the forward kernel covers, less a window and a
-    mask together with is_causal."""
+    """None when ``backward_kernel`` runs this call: what the forward kernel covers, less a window, a mask
+    together with is_causal, and soft-capping. Sinks need nothing of the kernel: the LSE holds them and
+    ``sinks_gradient`` gives theirs."""
     if not hasattr(_extension.C, "bwd"):
         return "kernel built without the backward"
     if os.environ.get("FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL", "0") == "1":
@@ -139,6 +142,8 @@ def backward_kernel_unsupported_reason(
         return "window_left (the backward kernel has no window)"
     if attn_mask is not None and is_causal:
         return "attn_mask together with is_causal (the backward kernel takes one or the other)"
+    if softcap:
+        return "softcap (the backward kernel has no soft-capping)"
     reason = kernel_unsupported_reason(q, k, v, attn_mask, is_causal, -1, softcap, sinks)
     if reason is not None:
         return reason
@@ -189,6 +194,15 @@ def backward_kernel(
 # ===== end of the Hopper backward kernel ===========================================================
 
 
+def sinks_gradient(grad_out: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """d loss / d sinks for a forward whose LSE holds the sinks: a sink is one more key whose value is
+    zero, so its score gradient is p_sink · (0 - rowsum(dO · O)), summed over batch and rows."""
+    delta = (grad_out.float() * out.float()).sum(-1)  # [B, Hq, Sq]
+    p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
+    p_sink = torch.where(torch.isneginf(lse), torch.zeros_like(p_sink), p_sink)  # no key and a -inf sink
+    return (-(p_sink * delta).sum(dim=(0, 2))).to(sinks.dtype)
+
+
 def _flash_backward_op():
     return getattr(torch.ops.aten, "_flash_attention_backward", None)
 
@@ -212,8 +226,8 @@ def flash_backward_unsupported_reason(
     """None when ``backward`` can run this call through PyTorch's flash-attention backward."""
     if attn_mask is not None:
         return "attn_mask"
-    if softcap or sinks is not None:
-        return "softcap or sinks (PyTorch's flash backward has neither)"
+    if softcap:
+        return "softcap (PyTorch's flash backward has none)"
     if window_left != -1 and not _flash_backward_takes_window():
         return "window_left: this torch's flash backward has no window arguments"
     if q.device.type != "cuda":

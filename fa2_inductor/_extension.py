@@ -21,8 +21,10 @@ NOT_BUILT = "fa2_inductor._C was not built (pure-Python install)"
 # What the package (and its GPU tests) call on the module; a build from older sources lacks some of them.
 REQUIRED_FUNCTIONS = (
     "compiled_kernels", "limits", "kernel_unsupported_reason", "forward", "set_reference_hooks",
-    "fwd", "fwd_masked", "fill_empty_rows",
+    "fwd", "fwd_masked", "fill_empty_rows", "interface_version",
 )
+# The bindings' argument version this package calls (csrc/api.cpp kInterfaceVersion).
+INTERFACE_VERSION = 2
 
 
 def _load() -> tuple[Optional[ModuleType], str]:
@@ -36,6 +38,9 @@ def _load() -> tuple[Optional[ModuleType], str]:
     missing = [name for name in REQUIRED_FUNCTIONS if not hasattr(module, name)]
     if missing:
         return None, f"fa2_inductor._C is out of date (it lacks {', '.join(missing)}): it was built from older sources"
+    if module.interface_version() != INTERFACE_VERSION:
+        return None, (f"fa2_inductor._C is out of date (interface {module.interface_version()}, this package needs "
+                      f"{INTERFACE_VERSION}): it was built from older sources")
     return module, "loaded"
 
 

@@ -185,17 +185,19 @@ def _flash_attention_bwd_cuda(grad_out, q, k, v, out, lse, attn_mask, scale, is_
     if reason is None:
         dq, dk, dv, dmask = _cuda.backward_kernel(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal,
                                                   compute_mask_grad)
-        return dq, dk, dv, dmask, q.new_empty(0)
-    from torch._dynamo.utils import counters
+    else:
+        from torch._dynamo.utils import counters
 
-    counters["fa2_inductor"][f"backward_fallback:{reason}"] += 1
-    if compute_mask_grad or _cuda.flash_backward_unsupported_reason(q, k, v, attn_mask, is_causal, window_left,
-                                                                    softcap, sinks) is not None:
-        _cuda.note_reference_fallback(f"backward: {reason}")
-        return _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left,
-                              softcap, sinks)
-    dq, dk, dv = _cuda.backward(grad_out, q, k, v, out, lse, scale, is_causal, window_left)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty(0), q.new_empty(0)
+        counters["fa2_inductor"][f"backward_fallback:{reason}"] += 1
+        if compute_mask_grad or _cuda.flash_backward_unsupported_reason(q, k, v, attn_mask, is_causal, window_left,
+                                                                        softcap, sinks) is not None:
+            _cuda.note_reference_fallback(f"backward: {reason}")
+            return _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad,
+                                  window_left, softcap, sinks)
+        dq, dk, dv = _cuda.backward(grad_out, q, k, v, out, lse, scale, is_causal, window_left)
+        dq, dk, dv, dmask = dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty(0)
+    dsinks = q.new_empty(0) if sinks is None else _cuda.sinks_gradient(grad_out, out, lse, sinks)
+    return dq, dk, dv, dmask, dsinks
 
 
 _register_cuda_kernel(flash_attention_bwd, _flash_attention_bwd_cuda)

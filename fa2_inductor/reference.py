@@ -158,18 +158,20 @@ def attention_forward(
         out[:, :, rows] = block_out.flatten(1, 2).to(out.dtype)
         lse[:, :, rows] = block_lse.flatten(1, 2).to(lse.dtype)
     if empty_rows != EmptyRows.ZERO and sk > 0:
-        fill_empty_rows(out, lse, q, k, v, scale, empty_rows)
+        fill_empty_rows(out, lse, q, k, v, scale, empty_rows, softcap)
 
 
-def fill_empty_rows(out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, empty_rows: int) -> None:
-    """Rows with lse = -inf get the mean of V over all keys, or attention over all keys (``EmptyRows``)."""
+def fill_empty_rows(out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, empty_rows: int,
+                    softcap: float = 0.0) -> None:
+    """Rows with lse = -inf get the mean of V over all keys, or attention over all keys, soft-capped like the
+    call (``EmptyRows``)."""
     empty = torch.isneginf(lse).unsqueeze(-1)
     if empty_rows == EmptyRows.MEAN_V:
         group = out.shape[1] // v.shape[1]
         filled = v.to(_accumulation_dtype(v.dtype)).mean(dim=2).repeat_interleave(group, dim=1).unsqueeze(2)
     else:
         filled, _ = empty_outputs(q, v)
-        attention_forward(q, k, v, None, scale, False, filled, torch.empty_like(lse))
+        attention_forward(q, k, v, None, scale, False, filled, torch.empty_like(lse), softcap=softcap)
     out.copy_(torch.where(empty, filled.to(out.dtype), out))
 
 

@@ -20,6 +20,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from fa2_inductor import _cuda, ops, reference
+from fa2_inductor._extension import INTERFACE_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,6 +52,7 @@ class FakeLoader(importlib.abc.Loader):
             "forward": _record("forward"),
             "set_reference_hooks": _record("set_reference_hooks"),
             "fwd": _record("fwd"), "fwd_masked": _record("fwd_masked"), "fill_empty_rows": _record("fill_empty_rows"),
+            "interface_version": lambda: INTERFACE_VERSION,
         }
         for name in FUNCTIONS:
             setattr(module, name, every[name])
@@ -67,7 +69,15 @@ sys.meta_path.insert(0, FakeFinder())
 """
 
 FULL = ("compiled_kernels", "limits", "kernel_unsupported_reason", "forward", "set_reference_hooks", "fwd",
-        "fwd_masked", "fill_empty_rows")
+        "fwd_masked", "fill_empty_rows", "interface_version")
+
+
+
+def _fake_extension(functions, registers_cuda, interface_version=INTERFACE_VERSION) -> str:
+    """Scenario code that installs the stand-in with these functions and interface version."""
+    return (f"FUNCTIONS = {functions!r}\nREGISTERS_CUDA = {registers_cuda}\nINTERFACE_VERSION = {interface_version}\n"
+            + FAKE_EXTENSION)
+
 
 CUDA_KERNEL_SOURCE = """
 def cuda_kernel_source(op_name):
@@ -105,7 +115,7 @@ print("ok")
 
 def test_with_the_extension_its_cuda_kernel_stays_and_python_delegates():
     result = _run(
-        "FUNCTIONS = " + repr(FULL) + "\nREGISTERS_CUDA = True\n" + FAKE_EXTENSION + CUDA_KERNEL_SOURCE + """
+        _fake_extension(FULL, registers_cuda=True) + CUDA_KERNEL_SOURCE + """
 import warnings
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -140,7 +150,24 @@ assert calls[-1][1][0] == ((1, 2, 8, 64), (1024, 512, 64, 1), torch.bfloat16, to
 # forward runs the extension's CUDA path with the op's arguments, in the binding's order.
 out, lse = reference.empty_outputs(q, kv)
 _cuda.forward(q, kv, kv, 0.5, True, out, lse, mask, 3, 2)
-assert calls[-1] == ("forward", (q, kv, kv, out, lse, 0.5, True, mask, 3, 2)), calls[-1]
+assert calls[-1] == ("forward", (q, kv, kv, out, lse, 0.5, True, mask, 3, 2, 0.0, None)), calls[-1]
+print("ok")
+"""
+    )
+    _assert_ok(result)
+
+
+def test_an_extension_of_another_interface_version_is_refused():
+    result = _run(
+        _fake_extension(FULL, registers_cuda=False, interface_version=INTERFACE_VERSION - 1) + """
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import fa2_inductor
+from fa2_inductor import _extension
+assert _extension.C is None
+assert f"out of date (interface {_extension.INTERFACE_VERSION - 1}, this package needs" in _extension.status
+assert any(_extension.REBUILD_COMMAND in str(w.message) for w in caught)
 print("ok")
 """
     )
@@ -150,7 +177,7 @@ print("ok")
 def test_an_out_of_date_extension_is_refused_with_the_rebuild_command():
     stale = tuple(name for name in FULL if name not in ("kernel_unsupported_reason", "set_reference_hooks"))
     result = _run(
-        "FUNCTIONS = " + repr(stale) + "\nREGISTERS_CUDA = False\n" + FAKE_EXTENSION + CUDA_KERNEL_SOURCE + """
+        _fake_extension(stale, registers_cuda=False) + CUDA_KERNEL_SOURCE + """
 import warnings
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

@@ -83,7 +83,8 @@ fwd_kernel_sm90(CUTE_GRID_CONSTANT const KernelArgs<Traits> args) {
     float lse[2];
     Tensor o_rc = as_rowcol(tOrO);
     // kAdditive tracks the row max of already scaled scores.
-    softmax.finalize(o_rc, lse, T::kMask == MaskKind::kAdditive ? 1.f : args.scale);
+    const float sink = args.sinks != nullptr ? args.sinks[head] : -INFINITY;
+    softmax.finalize(o_rc, lse, T::kMask == MaskKind::kAdditive ? 1.f : args.scale, sink);
     epilogue_store<T>(args, smem, tOrO, lse, tid, m_block, head, batch);
   }
 #elif defined(__CUDA_ARCH__)

@@ -96,6 +96,9 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
       p.heads_q / p.heads_kv,
       T::kCausal ? p.window_left : -1,
       p.scale,
+      p.softcap > 0.f ? p.scale / p.softcap : 0.f,
+      p.softcap > 0.f ? p.softcap / p.scale : 0.f,
+      p.sinks,
       {},  // mask: filled below for the masked kernels
   };
 

@@ -44,6 +44,8 @@ struct FwdParams {
   const float* rows_filter = nullptr;
 
   float scale = 1.0f;  // softmax scale applied to Q.K^T
+  float softcap = 0.0f; // > 0: scaled scores become softcap * tanh(scores / softcap) before masks apply
+  const float* sinks = nullptr;  // [Hq] float32 or null: a logit per query head that joins each row's denominator
   bool causal = false; // top-left aligned: query i sees keys j <= i
   int window_left = -1; // with causal: query i also sees no key before i - window_left (-1: no window)
 

@@ -124,16 +124,27 @@ struct OnlineSoftmax {
     }
   }
 
-  // Normalises O by the row sums and returns the natural-log LSE per row
-  // (-inf and O = 0 for rows that saw no key).
+  // Normalises O by the row sums and returns the natural-log LSE per row. `sink` (natural-log units of
+  // the scaled scores, -inf for none) joins each row's denominator: a row that saw no key then gets
+  // O = 0 and LSE = sink; without a sink such a row gets O = 0 and LSE = -inf.
   template <class TensorO>
-  CUTE_DEVICE void finalize(TensorO& o_rc, float (&lse)[kRows], float scale) {
+  CUTE_DEVICE void finalize(TensorO& o_rc, float (&lse)[kRows], float scale, float sink) {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       const float sum = quad_sum(row_sum[r]);
-      const bool empty = !(sum > 0.f);
-      const float inv = empty ? 0.f : 1.f / sum;
-      lse[r] = empty ? -INFINITY : row_max[r] * scale + logf(sum);
+      const bool seen = sum > 0.f;
+      const float m_scores = seen ? row_max[r] * scale : -INFINITY;
+      const float m = fmaxf(m_scores, sink);  // the row's largest logit, sink included
+      float inv = 0.f;
+      if (m == -INFINITY) {
+        lse[r] = -INFINITY;
+      } else {
+        // O and sum are relative to m_scores; w rescales them to m (1 when there is no sink).
+        const float w = seen ? (m_scores == m ? 1.f : expf(m_scores - m)) : 0.f;
+        const float total = sum * w + (sink == -INFINITY ? 0.f : expf(sink - m));
+        lse[r] = m + logf(total);
+        inv = w / total;
+      }
       CUTE_UNROLL
       for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv;
     }

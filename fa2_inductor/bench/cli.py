@@ -20,6 +20,7 @@ from .cases import CAUSAL_CHOICES, DTYPES, PAPER_HIDDEN, PAPER_TOKENS, sweep_cel
 from .implementations import DEFAULT_IMPLS, IMPLEMENTATIONS, TOLERANCES
 from .masks import mask_rows
 from .overhead import run_overhead
+from .score_mods import score_mod_rows
 from .sites import run_sites
 from .measure import CellResult, measure_cell
 from .plot import draw_plot, plot_title
@@ -102,6 +103,11 @@ def _parser() -> argparse.ArgumentParser:
         "pre-pass cost; writes --json",
     )
     parser.add_argument(
+        "--score-mods", action="store_true",
+        help="only the soft-capping and sinks rows (causal, bf16, --head-dims at 2k and 8k): their cost against "
+        "the plain kernel and FlexAttention's soft-capping; writes --json",
+    )
+    parser.add_argument(
         "--backward", action="store_true",
         help="training rows instead: forward+backward and backward alone of fa2_inductor, sdpa_flash and "
         "sdpa_cudnn on the sweep's cells (gradients checked first); writes --json and two plots beside --plot",
@@ -176,9 +182,9 @@ def replot(json_path: Path, plot_path: Path) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit status 1 when any implementation was WRONG or failed, so a script running the sweep notices."""
     args = parse_args(argv)
-    modes = [flag for flag in ("masks", "sites", "backward") if getattr(args, flag)]
+    modes = [flag for flag in ("masks", "sites", "backward", "score_mods") if getattr(args, flag)]
     if args.replot is None and (modes or torch.device(args.device).type == "cuda"):
-        mode = "".join(f" --{flag}" for flag in modes)
+        mode = "".join(f" --{flag.replace('_', '-')}" for flag in modes)
         exit_without_cuda(f"python -m fa2_inductor.bench{mode}", f"python -m fa2_inductor.bench {CPU_SMOKE_FLAGS}")
     if args.overhead:
         run_overhead(args)
@@ -190,6 +196,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.backward:
         return backward_rows(args)
+    if args.score_mods:
+        return score_mod_rows(args)
     if args.replot is not None:
         replot(args.replot, args.plot)
         return 0

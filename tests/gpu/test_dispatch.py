@@ -41,7 +41,7 @@ def fresh_counters():
     counters["fa2_inductor"].clear()
 
 
-def launches_from_python(q, k, v, mask, scale, is_causal, window_left=-1, empty_rows=0):
+def launches_from_python(q, k, v, mask, scale, is_causal, window_left=-1, empty_rows=0, softcap=0.0, sinks=None):
     """The op's CUDA path as it was in Python: the same special cases and launches, one call at a time."""
     out, lse = reference.empty_outputs(q, v)
     b, hq, sq, _ = q.shape
@@ -49,22 +49,23 @@ def launches_from_python(q, k, v, mask, scale, is_causal, window_left=-1, empty_
         return out, lse
     if k.shape[2] == 0:
         out.zero_()
-        lse.fill_(float("-inf"))
+        lse.copy_(sinks.float().view(1, -1, 1).expand_as(lse)) if sinks is not None else lse.fill_(float("-inf"))
         return out, lse
     if scale == 0:
-        reference.attention_forward(q, k, v, mask, 0.0, is_causal, out, lse, window_left, empty_rows)
+        reference.attention_forward(q, k, v, mask, 0.0, is_causal, out, lse, window_left, empty_rows, softcap, sinks)
         return out, lse
     if scale < 0:
         q, scale = -q, -scale
     if mask is not None:
-        C.fwd_masked(q, k, v, out, lse, scale, mask.expand(b, hq, sq, k.shape[2]), is_causal, window_left)
+        C.fwd_masked(q, k, v, out, lse, scale, mask.expand(b, hq, sq, k.shape[2]), is_causal, window_left, softcap,
+                     sinks)
     else:
-        C.fwd(q, k, v, out, lse, scale, is_causal, window_left, None)
+        C.fwd(q, k, v, out, lse, scale, is_causal, window_left, None, softcap, sinks)
     if empty_rows == EmptyRows.MEAN_V:
         C.fill_empty_rows(out, lse, v)
     elif empty_rows == EmptyRows.ALL_KEYS:
         unmasked, unmasked_lse = reference.empty_outputs(q, v)
-        C.fwd(q, k, v, unmasked, unmasked_lse, scale, False, -1, lse)
+        C.fwd(q, k, v, unmasked, unmasked_lse, scale, False, -1, lse, softcap)
         C.fill_empty_rows(out, lse, v, unmasked)
     return out, lse
 
@@ -199,8 +200,8 @@ def _reason_cases():
     q96, k96, v96 = make_qkv(1, 4, 2, 16, 16, 96, DTYPES[DT])
     return {
         "supported": ((q, k, v, mask, True, 3), None),
-        "softcap": ((q, k, v, None, True, -1, 30.0), "softcap (no soft-capping kernel yet)"),
-        "sinks": ((q, k, v, None, True, -1, 0.0, torch.zeros(4, device=DEV)), "attention sinks (no sinks kernel yet)"),
+        "softcap": ((q, k, v, mask, True, -1, 30.0), None),
+        "sinks": ((q, k, v, mask.float(), False, -1, 0.0, torch.zeros(4, device=DEV)), None),
         "window_without_causal": ((q, k, v, None, False, 5), "window_left without is_causal"),
         "mask_float64": ((q, k, v, mask.double(), False), "attn_mask dtype torch.float64 not supported by the kernel"),
         "mask_int32": ((q, k, v, mask.int(), False), "attn_mask dtype torch.int32 not supported by the kernel"),
@@ -371,12 +372,12 @@ def test_the_backend_rewrites_sdpa_into_the_op(fresh_compile):
     torch.testing.assert_close(got.float(), attention(q, k, v).float(), atol=3e-2, rtol=2e-2)
 
 
-def test_softcap_and_sinks_run_the_reference_through_the_cpp_path(fresh_counters):
-    """The kernel has neither yet: the C++ implementation hands both arguments to the reference, counted."""
+def test_softcap_and_sinks_run_on_the_kernel_through_the_cpp_path(fresh_counters):
+    """Both arguments reach every launch the C++ path makes (masked, and the ALL_KEYS pass soft-capped too)."""
     q, k, v = make_qkv(2, 4, 2, 40, 40, D, DTYPES[DT])
     sinks = torch.linspace(-1.0, 2.0, 4, device=DEV)
-    with pytest.warns(UserWarning, match="softcap"):
-        out, lse = op(q, k, v, None, 0.125, True, -1, 0, 30.0, sinks)
-    expected = reference.attention_reference(q, k, v, None, 0.125, True, softcap=30.0, sinks=sinks)
-    _assert_same_bits((out, lse), expected)
-    assert fresh_counters["reference_fallback:softcap (no soft-capping kernel yet)"] == 1
+    pad = key_padding(2, 40)
+    for args in [(None, 0.125, True, -1, 0, 30.0, sinks), (pad, 0.125, True, 5, 0, 30.0, sinks),
+                 (pad, 0.125, True, -1, int(EmptyRows.ALL_KEYS), 30.0, None)]:
+        _assert_same_bits(op(q, k, v, *args), launches_from_python(q, k, v, *args))
+    assert not any(key.startswith("reference_fallback") for key in fresh_counters), dict(fresh_counters)
