@@ -6,6 +6,7 @@ must be JSON-serialisable; a rank that raises fails the whole launch with that r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -50,10 +51,28 @@ def _rank_main(rank: int, world_size: int, port: int, device_type: str, fn: Call
             dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _cuda_hidden(hide: bool):
+    """CPU ranks must not see a GPU: gloo collectives would otherwise be handed CUDA buffers (torch picks the
+    current accelerator for a barrier's tensor), which its TCP transport cannot send."""
+    if not hide:
+        yield
+        return
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
 def run_ranks(fn: Callable, world_size: int, *args, device_type: str = "cpu", timeout_s: float = 600) -> list:
     """fn(rank, world_size, *args) on every rank (importable by name: the processes are spawned); returns
     the ranks' results in rank order."""
-    with tempfile.TemporaryDirectory() as out_dir:
+    with tempfile.TemporaryDirectory() as out_dir, _cuda_hidden(device_type == "cpu"):
         context = mp.start_processes(
             _rank_main,
             args=(world_size, free_port(), device_type, fn, args, out_dir),
