@@ -1,7 +1,7 @@
 """``python -m fa2_inductor.bench.results FILE.json ...``: the measured-results document, in markdown.
 
-It reads the JSON the benchmarks write (``python -m fa2_inductor.bench --json``, ``--masks --json``,
-``python -m fa2_inductor.bench_e2e --json``) and the ``summary.json`` of ``scripts/hopper_check.sh``, and
+It reads the JSON the benchmarks write (``python -m fa2_inductor.bench --json``, ``--masks``, ``--backward``,
+``--overhead``, ``--score-mods``, ``python -m fa2_inductor.bench_e2e --json``, ``--zoo``) and the ``summary.json`` of ``scripts/hopper_check.sh``, and
 prints one section per file with the tables and where, when and with which build they were measured.
 docs/results.md is this command's output over docs/measurements/*.json.
 """
@@ -165,6 +165,63 @@ def _end_to_end(doc: dict, source: str) -> list[str]:
     return lines[:-1]
 
 
+def _zoo(doc: dict, source: str) -> list[str]:
+    lines = ["## Model zoo (`python -m fa2_inductor.bench_e2e --zoo`)", "", measured_on(doc["environment"], source), "",
+             "Real model shapes (random weights) called with a tokenizer-style `attention_mask`, forward, median ms. "
+             "fa2/best: fa2_inductor's time over the best of eager and plain Inductor (below 1: faster).", ""]
+    rows = [[r["entry"], r["impl"], _number(r["eager_ms"], 2), _number(r["inductor_ms"], 2),
+             _number(r["fa2_inductor_ms"], 2), _number(r["fa2_vs_inductor"], 2), _number(r["fa2_vs_best"], 2),
+             _rewrite_forms(r.get("counters") or {})] for r in doc["ratios"]]
+    return lines + _table(["entry", "attention", "eager ms", "Inductor ms", "fa2_inductor ms", "fa2/Inductor",
+                           "fa2/best", "attention sites"], rows)
+
+
+# ---------------------------------------------------------------- python -m fa2_inductor.bench --backward
+
+
+def _backward(doc: dict, source: str) -> list[str]:
+    lines = ["## Training (`python -m fa2_inductor.bench --backward`)", "", measured_on(doc["environment"], source), "",
+             "TFLOP/s (backward FLOPs = 2.5x the forward's; forward+backward = 3.5x); ratio = ours over the peer.", ""]
+    rows = []
+    for r in doc["backward"]:
+        for mode, impls in r["modes"].items():
+            tf = {name: m.get("tflops") for name, m in impls.items()}
+            ours, flash, cudnn = tf.get(FA2), tf.get("sdpa_flash"), tf.get("sdpa_cudnn")
+            rows.append([r["dtype"], "causal" if r["causal"] else "full", r["head_dim"], r["seqlen"], mode,
+                         _number(ours), _number(flash), _number(cudnn),
+                         _number(ours / flash if ours and flash else None, 2),
+                         _number(ours / cudnn if ours and cudnn else None, 2)])
+    return lines + _table(["dtype", "mask", "head dim", "seqlen", "mode", "fa2_inductor", "sdpa_flash", "sdpa_cudnn",
+                           "fa2/flash", "fa2/cudnn"], rows)
+
+
+# ---------------------------------------------------------------- python -m fa2_inductor.bench --overhead
+
+
+def _overhead(doc: dict, source: str) -> list[str]:
+    lines = ["## Per-call overhead (`python -m fa2_inductor.bench --overhead`)", "",
+             measured_on(doc["environment"], source), "", "Microseconds per call at " + ", ".join(f"{k} {v}" for k, v in doc["shape"].items()) + ", calls back to back.",
+             ""]
+    modes = list(doc["rows"][0]["us_per_call"]) if doc["rows"] else []
+    rows = [[r["name"], *(_number(r["us_per_call"].get(m)) for m in modes)] for r in doc["rows"]]
+    return lines + _table(["call", *(f"{m} µs" for m in modes)], rows)
+
+
+# ---------------------------------------------------------------- python -m fa2_inductor.bench --score-mods
+
+
+def _score_mods(doc: dict, source: str) -> list[str]:
+    lines = ["## Soft-capping and sinks (`python -m fa2_inductor.bench --score-mods`)", "",
+             measured_on(doc["environment"], source), "",
+             "Causal, bf16, TFLOP/s. Soft-capping cost: its time over the plain kernel's, minus 1; vs Flex: "
+             "FlexAttention's soft-capped time over ours (above 1: ours faster).", ""]
+    rows = [[r["head_dim"], r["seqlen"], _number(r["tflops"]["plain"], 0), _number(r["tflops"]["softcap"], 0),
+             _number(r["tflops"]["sinks"], 0), _number(r["tflops"]["flex_softcap"], 0),
+             f"{100 * r['softcap_cost']:+.1f}%", _number(r["vs_flex"], 2)] for r in doc["score_mod_rows"]]
+    return lines + _table(["head dim", "seqlen", "plain", "softcap", "sinks", "Flex softcap", "softcap cost",
+                           "vs Flex"], rows)
+
+
 # ---------------------------------------------------------------- scripts/hopper_check.sh
 
 
@@ -199,9 +256,13 @@ def _coverage(doc: dict, source: str) -> list[str]:
 # (recognises a document, renders it); sections come out in this order.
 _KINDS: list[tuple[Callable[[dict], bool], Callable[[dict, str], list[str]]]] = [
     (lambda doc: "stages" in doc, _check_run),
-    (lambda doc: "impls" in doc.get("settings", {}), _kernel_sweep),
+    (lambda doc: "impls" in doc.get("settings", {}) and "results" in doc, _kernel_sweep),
     (lambda doc: "mask_rows" in doc, _mask_rows),
     (lambda doc: "model" in doc and "results" in doc, _end_to_end),
+    (lambda doc: "ratios" in doc and "entries" in doc, _zoo),
+    (lambda doc: "backward" in doc, _backward),
+    (lambda doc: "score_mod_rows" in doc, _score_mods),
+    (lambda doc: "rows" in doc and "shape" in doc, _overhead),
     (lambda doc: "rows" in doc and "transformers" in doc, _coverage),
 ]
 
