@@ -37,6 +37,15 @@ IMPLS = ("eager", "sdpa")
 CASES = [(name, impl, "padded") for name, family in FAMILIES.items() for impl in family.impls] + [
     ("llama", impl, variant) for variant in ("causal", "left_padded") for impl in IMPLS
 ]
+# The longest cases of the default run (20-30 s each on 2 cores) run in the long mode only: Longformer (its
+# refusal is also in the coverage test) and the eager twins of the generate() tests (sdpa's stay).
+LONG_CASES = {("longformer", "eager", "padded")}
+LONG_IMPLS = {"eager"}
+
+
+def _params(cases, long_cases):
+    return [pytest.param(*case, id="-".join(case), marks=[pytest.mark.slow] if case in long_cases else [])
+            for case in cases]
 
 
 @dataclass(frozen=True)
@@ -96,7 +105,7 @@ def _refusals(reason_word: str) -> int:
     return sum(n for key, n in counters["fa2_inductor"].items() if key.startswith("refused:") and reason_word in key)
 
 
-@pytest.mark.parametrize("name, impl, variant", CASES, ids=["-".join(c) for c in CASES])
+@pytest.mark.parametrize("name, impl, variant", _params(CASES, LONG_CASES))
 def test_compiled_model_rewrites_every_attention_site(compile_on_cpu, name, impl, variant):
     family = FAMILIES[name]
     model = family.build(impl)
@@ -159,7 +168,7 @@ def test_training_step_matches_eager(compile_on_cpu, name, impl):
             torch.testing.assert_close(param.grad, expected_grad, atol=1e-5, rtol=1e-4, msg=param_name)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", _params([(i,) for i in IMPLS], {(i,) for i in LONG_IMPLS}))
 def test_generate_with_static_cache_matches_eager_greedy(compile_on_cpu, impl):
     """Prefill (Sq = prompt) and decode (Sq = 1) graphs both compile; the tokens are eager's."""
     family = FAMILIES["llama"]
@@ -177,7 +186,7 @@ def test_generate_with_static_cache_matches_eager_greedy(compile_on_cpu, impl):
     torch.testing.assert_close(got, expected)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", _params([(i,) for i in IMPLS], {(i,) for i in LONG_IMPLS}))
 def test_generate_under_the_cuda_rules_leaves_decode_steps_to_inductor(compile_on_cpu, monkeypatch, impl):
     """What a Hopper GPU decides (CPU sites judged by the CUDA rules, a kernel that takes every call):
     every decode step (Sq = 1) compiles to plain Inductor's code line for line, so it cannot be slower than

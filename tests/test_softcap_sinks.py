@@ -57,6 +57,17 @@ def test_softcap_is_applied_before_an_additive_mask():
     torch.testing.assert_close(out.double(), _eager(q, k, v, mask, softcap=2.0), atol=2e-5, rtol=2e-5)
 
 
+def test_all_keys_rows_are_soft_capped_too():
+    """ALL_KEYS gives a row with no visible key the attention over all keys, with the call's soft-capping."""
+    q, k, v = _qkv()
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool)
+    mask[3] = False
+    out, _ = op(q, k, v, mask, 0.25, False, -1, int(EmptyRows.ALL_KEYS), 5.0)
+    unmasked = _eager(q, k, v, scale=0.25, softcap=5.0)
+    expected = torch.where(mask.any(-1)[:, None], _eager(q, k, v, mask, 0.25, softcap=5.0), unmasked)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_sinks_match_eager(is_causal):
     q, k, v = _qkv()
