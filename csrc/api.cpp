@@ -95,11 +95,29 @@ const std::vector<KernelEntry>& kernel_table() {
 }
 #undef FA2_ENTRY  // the table's file also holds the backward's rows, behind FA2_BWD_ENTRY
 
-const KernelEntry* find_kernel(int64_t head_dim, fa2::DType dtype) {
-  for (const auto& e : kernel_table()) {
-    if (e.head_dim == head_dim && e.dtype == dtype) return &e;
+// A head dim with no kernel of its own runs on the smallest larger compiled one (the kernels pad it with zeros
+// in their TMA loads): opt-in with FA2_INDUCTOR_PADDED_HEAD_DIMS=1 until measured on a Hopper GPU.
+bool padded_head_dims_enabled() {
+  const char* enabled = std::getenv("FA2_INDUCTOR_PADDED_HEAD_DIMS");
+  return enabled != nullptr && std::strcmp(enabled, "1") == 0;
+}
+
+// The entry (forward or backward table) that runs this head dim and dtype: its own, else (padding enabled, a
+// multiple of 8) the smallest larger one; null when none.
+template <class Entry>
+const Entry* entry_for_head_dim(const std::vector<Entry>& table, int64_t head_dim, fa2::DType dtype) {
+  const Entry* padded = nullptr;
+  for (const auto& e : table) {
+    if (e.dtype != dtype) continue;
+    if (e.head_dim == head_dim) return &e;
+    if (e.head_dim > head_dim && (padded == nullptr || e.head_dim < padded->head_dim)) padded = &e;
   }
-  return nullptr;
+  const bool paddable = head_dim > 0 && head_dim % fa2::kStrideAlignElements == 0 && padded_head_dims_enabled();
+  return paddable ? padded : nullptr;
+}
+
+const KernelEntry* find_kernel(int64_t head_dim, fa2::DType dtype) {
+  return entry_for_head_dim(kernel_table(), head_dim, dtype);
 }
 
 // The kernels' element types and their names in the kernel list; nullopt for every other dtype.
@@ -865,10 +883,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   }
 
   const fa2::DType dtype = q.scalar_type() == at::kBFloat16 ? fa2::DType::kBF16 : fa2::DType::kFP16;
-  const BwdKernelEntry* entry = nullptr;
-  for (const auto& e : bwd_kernel_table()) {
-    if (e.head_dim == f.head_dim && e.dtype == dtype) entry = &e;
-  }
+  const BwdKernelEntry* entry = entry_for_head_dim(bwd_kernel_table(), f.head_dim, dtype);
   FA2_CHECK(entry != nullptr, fn, ": no kernel compiled for head dim ", f.head_dim, " and dtype ", q.scalar_type());
   c10::cuda::CUDAGuard guard(q.device());
   at::Tensor workspace = at::empty({entry->workspace[variant](p)}, q.options().dtype(at::kByte));

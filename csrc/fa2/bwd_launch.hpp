@@ -57,7 +57,9 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   if (p.batch <= 0 || p.heads_q <= 0 || p.seqlen_q <= 0 || p.seqlen_k <= 0 || p.workspace == nullptr) {
     return cudaErrorInvalidValue;
   }
-  if (p.head_dim != T::kHeadDim || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return cudaErrorInvalidValue;
+  if (p.head_dim <= 0 || p.head_dim > T::kHeadDim || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) {
+    return cudaErrorInvalidValue;
+  }
   const BwdPlan<T> plan = plan_bwd<T>(p);
   char* ws = static_cast<char*>(p.workspace);
   float* lse_rows = reinterpret_cast<float*>(ws + plan.workspace.lse_offset);
@@ -76,15 +78,18 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
                         p.do_batch_stride, p.do_head_stride, p.do_row_stride,
                         p.lse_batch_stride, p.lse_head_stride,
                         lse_rows, dsum_rows, dq_accum, dq_sem,
-                        p.seqlen_q, p.heads_q, num_m_blocks};
+                        p.seqlen_q, p.heads_q, num_m_blocks, p.head_dim};
   const dim3 query_grid(num_m_blocks, p.heads_q, p.batch);
   bwd_preprocess<T><<<query_grid, kPrepostThreads, 0, stream>>>(pre);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 
   // 2. The mainloop.
-  auto layout = [](int seqlen, int heads, int batch, int64_t row, int64_t head_s, int64_t batch_s) {
-    return make_layout(make_shape(seqlen, int(T::kHeadDim), heads, batch), make_stride(row, _1{}, head_s, batch_s));
+  // As the forward: a smaller head dim than the kernel's is zero-padded by the TMA loads (every product with
+  // the padding is 0) and clipped by the dQ, dK and dV stores.
+  const int head_dim = p.head_dim;
+  auto layout = [head_dim](int seqlen, int heads, int batch, int64_t row, int64_t head_s, int64_t batch_s) {
+    return make_layout(make_shape(seqlen, head_dim, heads, batch), make_stride(row, _1{}, head_s, batch_s));
   };
   auto lq = layout(p.seqlen_q, p.heads_q, p.batch, p.q_row_stride, p.q_head_stride, p.q_batch_stride);
   auto ldo = layout(p.seqlen_q, p.heads_q, p.batch, p.do_row_stride, p.do_head_stride, p.do_batch_stride);

@@ -30,6 +30,7 @@ struct BwdPreprocessArgs {
   float* dq_accum;
   int32_t* dq_sem;
   int seqlen_q, heads_q, num_m_blocks;
+  int head_dim;  // the tensors' (a multiple of 8, at most the kernel's): columns past it are not read
 };
 
 // The mainloop computes P = exp2(S * scale * log2(e) - lse_row), or for additive masks
@@ -62,7 +63,7 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_preprocess(const BwdPrepr
     const int r = pass * kRowsPerPass + int(threadIdx.x) / kThreadsPerRow;
     const int row = m0 + r;
     float sum = 0.f;
-    if (row < a.seqlen_q) {
+    if (row < a.seqlen_q && lane_in_row * kVec < a.head_dim) {
       const auto ov = *reinterpret_cast<const cutlass::Array<Element, kVec>*>(o + row * a.o_row_stride + lane_in_row * kVec);
       const auto dv = *reinterpret_cast<const cutlass::Array<Element, kVec>*>(dout + row * a.do_row_stride + lane_in_row * kVec);
       const auto of = to_float(ov);

@@ -60,9 +60,13 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   using T = Traits;
   using Element = typename T::Element;
   if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return cudaSuccess;
+  if (p.head_dim <= 0 || p.head_dim > T::kHeadDim) return cudaErrorInvalidValue;
 
-  auto layout = [](int seqlen, int heads, int batch, int64_t row, int64_t head_s, int64_t batch_s) {
-    return make_layout(make_shape(seqlen, int(T::kHeadDim), heads, batch),
+  // The tensors' own head dim: a smaller one than the kernel's is padded with zeros by the TMA loads (columns
+  // past the tensor read as 0, adding nothing to Q.K^T and giving O columns of 0) and clipped by the O store.
+  const int head_dim = p.head_dim;
+  auto layout = [head_dim](int seqlen, int heads, int batch, int64_t row, int64_t head_s, int64_t batch_s) {
+    return make_layout(make_shape(seqlen, head_dim, heads, batch),
                        make_stride(row, _1{}, head_s, batch_s));
   };
   auto lq = layout(p.seqlen_q, p.heads_q, p.batch, p.q_row_stride, p.q_head_stride, p.q_batch_stride);

@@ -1,0 +1,87 @@
+"""Head dims without a kernel of their own (FA2_INDUCTOR_PADDED_HEAD_DIMS=1): they run on the smallest larger
+compiled kernel, zero-padded by its TMA loads and clipped by its stores. Forward (plain, causal, bool and
+additive masks, GQA, strided) and backward (dq, dk, dv, the additive mask's gradient) against the float64
+reference with FlashAttention's 2x rule, into NaN-poisoned outputs, so a column written past the tensor's
+head dim or one left unwritten fails. Without the variable those head dims stay with the reference. Skipped
+unless an sm_90 GPU and fa2_inductor._C exist.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("needs an sm_90 (Hopper) GPU", allow_module_level=True)
+
+from fa2_inductor import _cuda, _extension  # noqa: E402
+
+if _extension.C is None:
+    pytest.skip(f"fa2_inductor._C not loaded: {_extension.status}", allow_module_level=True)
+
+from tests.gpu.kernel_inputs import COMPILED, DEV, DTYPES, make_qkv  # noqa: E402
+from tests.gpu.test_backward import check_backward  # noqa: E402
+from tests.gpu.test_kernel import check_forward  # noqa: E402
+from tests.gpu.test_mask import check_masked  # noqa: E402
+
+# Real models' head dims between and below the compiled ones (Phi-3: 96, CLIP ViT-H: 80, ...).
+PADDED = (32, 48, 80, 96, 112, 160, 192, 200)
+
+
+@pytest.fixture
+def padded(monkeypatch):
+    monkeypatch.setenv("FA2_INDUCTOR_PADDED_HEAD_DIMS", "1")
+
+
+def needs_larger_kernel(d: int, dt: str) -> None:
+    if not any(cd > d and name == dt for cd, name in COMPILED):
+        pytest.skip(f"no compiled {dt} kernel above head dim {d}")
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", PADDED)
+def test_forward(padded, d, dt, is_causal, layout):
+    needs_larger_kernel(d, dt)
+    q, k, v = make_qkv(2, 4, 2, 97, 1000, d, DTYPES[dt], layout=layout, seed=d)
+    check_forward(q, k, v, is_causal)  # asserts the kernel takes the call
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+@pytest.mark.parametrize("d", (80, 96))
+def test_forward_masked(padded, d, mask_kind):
+    needs_larger_kernel(d, "bf16")
+    q, k, v = make_qkv(1, 2, 2, 300, 333, d, torch.bfloat16, seed=5)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    mask = torch.rand(1, 1, 300, 333, device=DEV, generator=g) > 0.3
+    if mask_kind == "additive":
+        mask = torch.randn(1, 2, 300, 333, device=DEV, generator=g)
+    check_masked(q, k, v, mask)  # asserts the kernel takes the call
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", PADDED)
+def test_backward(padded, d, dt, is_causal):
+    needs_larger_kernel(d, dt)
+    q, k, v = make_qkv(2, 4, 2, 333, 257, d, DTYPES[dt], seed=d + 1)
+    check_backward(q, k, v, is_causal, seed=d)
+
+
+@pytest.mark.parametrize("d", (80, 96))
+def test_backward_additive_mask_gradient(padded, d):
+    needs_larger_kernel(d, "bf16")
+    q, k, v = make_qkv(1, 2, 2, 200, 300, d, torch.bfloat16, seed=7)
+    bias = torch.randn(1, 2, 200, 300, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1))
+    check_backward(q, k, v, False, mask=bias, mask_grad=True)
+
+
+def test_without_the_variable_they_stay_with_the_reference(monkeypatch):
+    monkeypatch.delenv("FA2_INDUCTOR_PADDED_HEAD_DIMS", raising=False)
+    dt = sorted(COMPILED)[0][1]
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 96, DTYPES[dt])
+    assert _cuda.kernel_unsupported_reason(q, k, v, None, False) == f"no kernel compiled for head dim 96 {dt}"
+    monkeypatch.setenv("FA2_INDUCTOR_PADDED_HEAD_DIMS", "1")
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 100, DTYPES[dt])  # not a multiple of 8: never padded
+    assert _cuda.kernel_unsupported_reason(q, k, v, None, False) is not None
