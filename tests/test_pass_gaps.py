@@ -323,3 +323,42 @@ def test_outer_product_into_another_dtype_is_refused(cpu_pass):
         return probs * _flat(v).double()
     compile_and_compare(fn, *qkv(seq_q=9, seq_k=1), rewrites=0)
     assert pass_counts() == {"refused:unrecognised_probs": 1}
+
+
+# --- a bias computed by products of its own (relative positions from q: Conformer, SAM, SpeechT5) -----------
+def _relative_shift(x):
+    """Transformer-XL's shift of [B, H, M, 2M-1] position scores to [B, H, M, M]."""
+    b, h, m, n = x.shape
+    x = F.pad(x, (1, 0)).view(b, h, n + 1, m)[:, :, 1:].view(b, h, m, n)
+    return x[..., :m]
+
+
+def _position_bias(term):
+    def fn(q, k, v, positions, mask):
+        scores = q @ k.transpose(-1, -2) * 0.25
+        if term == "relative_shift":  # Conformer: rel_shift((q + bias) @ posᵀ), scaled as the scores are
+            bias = _relative_shift((q + 0.5) @ positions.transpose(-1, -2)) * 0.25
+        elif term == "from_the_scores":
+            bias = (scores @ v @ k.transpose(-1, -2)).flip(-1)
+        else:  # "second_product": q @ posᵀ with one position per key, as plain as q @ kᵀ itself
+            bias = q @ positions[:, :, : k.shape[2]].transpose(-1, -2)
+        return (scores + bias + mask).softmax(-1) @ v
+    return fn
+
+
+def _position_inputs():
+    q, k, v = qkv(seq_q=10)
+    positions = torch.randn(1, 1, 2 * q.shape[2] - 1, q.shape[3])
+    mask = torch.zeros(q.shape[0], 1, 1, k.shape[2])
+    mask[1, ..., -3:] = float("-inf")
+    return q, k, v, positions, mask
+
+
+def test_bias_computed_from_q_is_an_additive_mask(cpu_pass):
+    compile_and_compare(_position_bias("relative_shift"), *_position_inputs(), rewrites=1)
+
+
+@pytest.mark.parametrize("term", ["from_the_scores", "second_product"])
+def test_term_that_is_no_independent_bias_is_refused(cpu_pass, term):
+    compile_and_compare(_position_bias(term), *_position_inputs(), rewrites=0)
+    assert pass_counts() == {"refused:score_transform": 1}

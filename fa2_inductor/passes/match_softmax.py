@@ -232,9 +232,72 @@ def _additive_mask(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
     a, b = add.args
     alpha = ops.arg(add, "alpha")
     a_scores, b_scores = _reaches_matmul(a), _reaches_matmul(b)
+    if a_scores and b_scores:
+        return _add_of_bias_from_products(scores, add)
     if a_scores == b_scores:
         return None
     x, mask = (a, b) if a_scores else (b, a)
+    return _add_mask(scores, x, mask, add)
+
+
+def _add_of_bias_from_products(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
+    """``scores + bias`` where the bias is computed by other products, e.g. from q (a relative-position
+    term: Transformer-XL's, Conformer's, SAM's): an additive mask like any other, as long as the scores'
+    own q @ kᵀ is on one side alone and the bias is not computed from it."""
+    a, b = add.args
+    products = _direct_product(a), _direct_product(b)
+    if (products[0] is None) == (products[1] is None):
+        scores.refused = Refused(Refusal.SCORE_TRANSFORM, "a sum of two terms that are both products: which one "
+                                 "is q @ kᵀ and which an added bias is unclear")
+        return None
+    (x, mask), product = ((a, b), products[0]) if products[0] is not None else ((b, a), products[1])
+    if _computed_from(mask, product):
+        scores.refused = Refused(Refusal.SCORE_TRANSFORM, "a term computed from the scores added to them")
+        return None
+    return _add_mask(scores, x, mask, add)
+
+
+def _direct_product(node, steps: int = 8) -> Optional[fx.Node]:
+    """The batched product that ``node`` is through scaling, casts, views and additions of terms that are no
+    products (the scores' own path up to q @ kᵀ); None if there is none or more than one."""
+    for _ in range(steps):
+        if not isinstance(node, fx.Node) or tensor_val(node) is None:
+            return None
+        matmul = batched_matmul(node, with_bias=True)
+        if matmul is not None:
+            return matmul.bmm
+        scaled = _scale_factor(node)
+        if scaled:
+            node = scaled[0]
+        elif ops.calls(node, *ops.CAST):
+            node = node.args[0]
+        elif ops.calls(node, *ops.ADD) and all(isinstance(a, fx.Node) for a in node.args):
+            found = [p for p in map(_direct_product, node.args) if p is not None]
+            return found[0] if len(found) == 1 else None
+        else:
+            return None
+    return None
+
+
+def _computed_from(node: fx.Node, source: fx.Node) -> bool:
+    """``source`` is an ancestor of ``node`` (only nodes after ``source`` in the graph can be on the way)."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    start, seen, stack = order[source], set(), [node]
+    while stack:
+        current = stack.pop()
+        if current is source:
+            return True
+        if current in seen or order.get(current, -1) < start:
+            continue
+        seen.add(current)
+        stack.extend(current.all_input_nodes)
+    return False
+
+
+def _add_mask(scores: _Scores, x: fx.Node, mask: fx.Node, add: fx.Node) -> fx.Node:
+    """Records ``mask`` as added to the scores ``x`` by ``add`` (or why it cannot be); returns ``x``."""
+    a, b = add.args
+    alpha = ops.arg(add, "alpha")
     if not (_is_number(alpha) and math.isfinite(alpha)):
         scores.refused = Refused(Refusal.UNSUPPORTED_ARGUMENT, f"{add.target} with alpha={alpha!r}")
     elif not _dtype(mask).is_floating_point:  # s + bool adds 1.0: not a mask the op knows
