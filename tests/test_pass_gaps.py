@@ -261,3 +261,104 @@ def test_sinks_in_training_stay_with_inductor(cpu_pass):
     sinks = torch.linspace(-2.0, 3.0, q.shape[1]).requires_grad_()
     compile_and_compare(_gpt_oss_attention, q, k, v, mask, sinks, rewrites=0, train=True)
     assert pass_counts() == {"refused:intermediate_used_elsewhere": 1}
+
+
+# --- a fill held as a 0-d graph constant: GPT-Neo's where(causal, s, torch.tensor(finfo.min)) -------------
+def _constant_fill(fill):
+    def fn(q, k, v, visible):
+        s = q.shape[2]
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        padding = torch.where(visible, torch.tensor(0.0), torch.finfo(torch.float32).min)
+        scores = torch.where(causal, q @ k.transpose(-1, -2), torch.tensor(fill))
+        return (scores + padding).softmax(-1) @ v
+    return fn
+
+
+def _padding(q):
+    visible = torch.ones(q.shape[0], 1, 1, q.shape[2], dtype=torch.bool)
+    visible[1, ..., -3:] = False
+    return visible
+
+
+def test_fill_held_as_a_graph_constant_is_an_additive_mask(cpu_pass):
+    q, k, v = qkv(seq_q=11)
+    compile_and_compare(_constant_fill(torch.finfo(torch.float32).min), q, k, v, _padding(q), rewrites=1)
+
+
+def test_graph_constant_fill_that_does_not_absorb_the_scores_is_refused(cpu_pass):
+    q, k, v = qkv(seq_q=11)
+    compile_and_compare(_constant_fill(-1e4), q, k, v, _padding(q), rewrites=0)
+    assert pass_counts() == {"refused:finite_fill_value": 1}
+
+
+def test_fill_with_more_than_one_value_is_refused(cpu_pass):
+    """A constant per key is no fill (a where() branch that broadcasts a vector)."""
+    def fn(q, k, v):
+        causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+        fills = torch.linspace(-3e38, -2e38, k.shape[2])
+        return torch.where(causal, q @ k.transpose(-1, -2), fills).softmax(-1) @ v
+    compile_and_compare(fn, *qkv(), rewrites=0)
+    assert pass_counts() == {"refused:score_transform": 1}
+
+
+# --- a single key: Inductor decomposes P @ V into the outer product [N, M, 1] * [N, 1, D] (SegFormer) ------
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("heads", [1, 3])
+def test_attention_over_a_single_key(cpu_pass, heads, train):
+    compile_and_compare(lambda q, k, v: _scores(q, k).softmax(-1) @ v,
+                        *qkv(heads=heads, seq_q=9, seq_k=1, train=train), rewrites=1, train=train)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_attention_with_one_head(cpu_pass, train):
+    """[B, 1, M, K] scores are also a [B, M, K] product: q @ kᵀ and P @ V are read with the same rank."""
+    compile_and_compare(lambda q, k, v: _scores(q, k).softmax(-1) @ v,
+                        *qkv(heads=1, seq_q=9, seq_k=7, train=train), rewrites=1, train=train)
+
+
+def test_outer_product_into_another_dtype_is_refused(cpu_pass):
+    """P [N, M, 1] times a float64 V [N, 1, D]: a product that promotes, not the op's P @ V."""
+    def fn(q, k, v):
+        probs = torch.bmm(_flat(q), _flat(k).transpose(1, 2)).softmax(-1)
+        return probs * _flat(v).double()
+    compile_and_compare(fn, *qkv(seq_q=9, seq_k=1), rewrites=0)
+    assert pass_counts() == {"refused:unrecognised_probs": 1}
+
+
+# --- a bias computed by products of its own (relative positions from q: Conformer, SAM, SpeechT5) -----------
+def _relative_shift(x):
+    """Transformer-XL's shift of [B, H, M, 2M-1] position scores to [B, H, M, M]."""
+    b, h, m, n = x.shape
+    x = F.pad(x, (1, 0)).view(b, h, n + 1, m)[:, :, 1:].view(b, h, m, n)
+    return x[..., :m]
+
+
+def _position_bias(term):
+    def fn(q, k, v, positions, mask):
+        scores = q @ k.transpose(-1, -2) * 0.25
+        if term == "relative_shift":  # Conformer: rel_shift((q + bias) @ posᵀ), scaled as the scores are
+            bias = _relative_shift((q + 0.5) @ positions.transpose(-1, -2)) * 0.25
+        elif term == "from_the_scores":
+            bias = (scores @ v @ k.transpose(-1, -2)).flip(-1)
+        else:  # "second_product": q @ posᵀ with one position per key, as plain as q @ kᵀ itself
+            bias = q @ positions[:, :, : k.shape[2]].transpose(-1, -2)
+        return (scores + bias + mask).softmax(-1) @ v
+    return fn
+
+
+def _position_inputs():
+    q, k, v = qkv(seq_q=10)
+    positions = torch.randn(1, 1, 2 * q.shape[2] - 1, q.shape[3])
+    mask = torch.zeros(q.shape[0], 1, 1, k.shape[2])
+    mask[1, ..., -3:] = float("-inf")
+    return q, k, v, positions, mask
+
+
+def test_bias_computed_from_q_is_an_additive_mask(cpu_pass):
+    compile_and_compare(_position_bias("relative_shift"), *_position_inputs(), rewrites=1)
+
+
+@pytest.mark.parametrize("term", ["from_the_scores", "second_product"])
+def test_term_that_is_no_independent_bias_is_refused(cpu_pass, term):
+    compile_and_compare(_position_bias(term), *_position_inputs(), rewrites=0)
+    assert pass_counts() == {"refused:score_transform": 1}

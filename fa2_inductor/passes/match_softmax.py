@@ -21,7 +21,7 @@ from .mask_structure import constant_value, finite_by_construction
 from .precision import chain_rounding_refusal, run_in_input_precision
 from .refusals import Refusal, Refused
 from .site import BHSD, FLAT, AttentionSite
-from .views import BatchedMatmul, Operand, batched_matmul, repeated_heads, strip_views, undoes_a_view
+from .views import BatchedMatmul, Operand, batched_matmul, batched_matmul_readings, is_batched_product, repeated_heads, strip_views, undoes_a_view
 
 # Random number ops by name: some (prims.inductor_random) exist only once Inductor is loaded.
 _RANDOM_OP_NAMES = frozenset({"rand", "rand_like", "randn", "bernoulli", "native_dropout", "inductor_random", "inductor_seeds"})
@@ -109,7 +109,7 @@ def _reaches_matmul(node: fx.Node, steps: int = 8) -> bool:
     for _ in range(steps):
         if not isinstance(node, fx.Node):
             return False
-        if batched_matmul(node, with_bias=True) is not None or ops.calls(node, *ops.BMM, *ops.BADDBMM):
+        if batched_matmul(node, with_bias=True) is not None or is_batched_product(node, with_bias=True):
             return True
         scaled = _scale_factor(node)
         if scaled:
@@ -186,10 +186,10 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
             scores.refused = _transform_refusal(x)
         else:
             return None
+        if scores.refused:  # before x: a step that refuses may leave no node to go on with
+            return scores
         if x is None:
             return None
-        if scores.refused:
-            return scores
     return None
 
 
@@ -232,9 +232,72 @@ def _additive_mask(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
     a, b = add.args
     alpha = ops.arg(add, "alpha")
     a_scores, b_scores = _reaches_matmul(a), _reaches_matmul(b)
+    if a_scores and b_scores:
+        return _add_of_bias_from_products(scores, add)
     if a_scores == b_scores:
         return None
     x, mask = (a, b) if a_scores else (b, a)
+    return _add_mask(scores, x, mask, add)
+
+
+def _add_of_bias_from_products(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
+    """``scores + bias`` where the bias is computed by other products, e.g. from q (a relative-position
+    term: Transformer-XL's, Conformer's, SAM's): an additive mask like any other, as long as the scores'
+    own q @ kᵀ is on one side alone and the bias is not computed from it."""
+    a, b = add.args
+    products = _direct_product(a), _direct_product(b)
+    if (products[0] is None) == (products[1] is None):
+        scores.refused = Refused(Refusal.SCORE_TRANSFORM, "a sum of two terms that are both products: which one "
+                                 "is q @ kᵀ and which an added bias is unclear")
+        return None
+    (x, mask), product = ((a, b), products[0]) if products[0] is not None else ((b, a), products[1])
+    if _computed_from(mask, product):
+        scores.refused = Refused(Refusal.SCORE_TRANSFORM, "a term computed from the scores added to them")
+        return None
+    return _add_mask(scores, x, mask, add)
+
+
+def _direct_product(node, steps: int = 8) -> Optional[fx.Node]:
+    """The batched product that ``node`` is through scaling, casts, views and additions of terms that are no
+    products (the scores' own path up to q @ kᵀ); None if there is none or more than one."""
+    for _ in range(steps):
+        if not isinstance(node, fx.Node) or tensor_val(node) is None:
+            return None
+        matmul = batched_matmul(node, with_bias=True)
+        if matmul is not None:
+            return matmul.bmm
+        scaled = _scale_factor(node)
+        if scaled:
+            node = scaled[0]
+        elif ops.calls(node, *ops.CAST):
+            node = node.args[0]
+        elif ops.calls(node, *ops.ADD) and all(isinstance(a, fx.Node) for a in node.args):
+            found = [p for p in map(_direct_product, node.args) if p is not None]
+            return found[0] if len(found) == 1 else None
+        else:
+            return None
+    return None
+
+
+def _computed_from(node: fx.Node, source: fx.Node) -> bool:
+    """``source`` is an ancestor of ``node`` (only nodes after ``source`` in the graph can be on the way)."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    start, seen, stack = order[source], set(), [node]
+    while stack:
+        current = stack.pop()
+        if current is source:
+            return True
+        if current in seen or order.get(current, -1) < start:
+            continue
+        seen.add(current)
+        stack.extend(current.all_input_nodes)
+    return False
+
+
+def _add_mask(scores: _Scores, x: fx.Node, mask: fx.Node, add: fx.Node) -> fx.Node:
+    """Records ``mask`` as added to the scores ``x`` by ``add`` (or why it cannot be); returns ``x``."""
+    a, b = add.args
+    alpha = ops.arg(add, "alpha")
     if not (_is_number(alpha) and math.isfinite(alpha)):
         scores.refused = Refused(Refusal.UNSUPPORTED_ARGUMENT, f"{add.target} with alpha={alpha!r}")
     elif not _dtype(mask).is_floating_point:  # s + bool adds 1.0: not a mask the op knows
@@ -335,9 +398,12 @@ def _scaled_mask(mask: fx.Node, alpha, add: fx.Node) -> fx.Node:
 def _fill_value(arg, where: fx.Node) -> Optional[float]:
     """The constant a where() branch puts into the scores, as the where's dtype holds it; None if not constant."""
     if isinstance(arg, fx.Node):
-        if not ops.calls(arg, *ops.FILL):
+        if ops.calls(arg, *ops.FILL):
+            value = ops.arguments(arg).get("fill_value", ops.arguments(arg).get("s"))
+        elif tensor_val(arg) is not None and tensor_val(arg).dim() == 0:
+            value = constant_value(arg)  # e.g. GPT-Neo's torch.tensor(finfo.min), a lifted graph constant
+        else:
             return None
-        value = ops.arguments(arg).get("fill_value", ops.arguments(arg).get("s"))
         if not _is_number(value):
             return None  # a symbolic fill
         value = torch.tensor(value, dtype=_dtype(arg)).item()
@@ -514,7 +580,7 @@ def _walk_down_probs(softmax: Softmax) -> Optional[_Probs]:
                 return None if node is softmax.output else _unrecognised_probs(f"{node.target} has no user")
             return _Probs(refused=Refused(Refusal.PROBS_USED_ELSEWHERE))
         user = users[0]
-        if ops.calls(user, *ops.BMM):
+        if is_batched_product(user):
             probs.bmm = user
             return probs if user.args[0] is node else _unrecognised_probs("P is the right operand of its matmul")
         if ops.calls(user, *ops.CAST):
@@ -626,7 +692,7 @@ def _sink_logits(softmax: Softmax) -> Optional[str]:
 def _reaches_bmm(node: fx.Node, steps: int = 8) -> bool:
     for _ in range(steps):
         users = forward_users(node)
-        if any(ops.calls(u, *ops.BMM) for u in users):
+        if any(is_batched_product(u) for u in users):
             return True
         if len(users) != 1:
             return False
@@ -681,11 +747,11 @@ def _anchor_for(bmm: fx.Node, probs_chain: list) -> Optional[BatchedMatmul]:
     back, is only so for the 3-D product)."""
     node, found, found_on_probs = bmm, None, None
     for _ in range(6):
-        matmul = batched_matmul(node)
-        if matmul is not None and matmul.bmm is bmm:
-            found = matmul
-            if matmul.lhs.source in probs_chain:
-                found_on_probs = matmul
+        for matmul in batched_matmul_readings(node):
+            if matmul.bmm is bmm:
+                found = found if found and found.out is node else matmul  # the first reading of the outermost
+                if matmul.lhs.source in probs_chain:
+                    found_on_probs = matmul
         users = list(node.users)
         if len(users) != 1 or not ops.calls(users[0], *ops.VIEW, *ops.PERMUTE):
             break
@@ -754,6 +820,7 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
         return site.refuse(Refusal.UNRECOGNISED_SCORES)
     if scores.refused:
         return site.refuse_as(scores.refused)
+    scores.matmul = _reading_of_rank(scores.matmul, pv.batch_rank)
     if scores.matmul.batch_rank != pv.batch_rank:
         return site.refuse(Refusal.UNRECOGNISED_LAYOUT, "rank")
     q_side, k_side = _peel_operand(scores.matmul.lhs), _peel_operand(scores.matmul.rhs)
@@ -783,6 +850,15 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     run_in_input_precision(site)
     refused = chain_rounding_refusal(site, scores.rounded_to | probs.rounded_to)
     return site.refuse_as(refused) if refused else site
+
+
+def _reading_of_rank(matmul: BatchedMatmul, batch_rank: int) -> BatchedMatmul:
+    """q @ kᵀ read with P @ V's batch rank where both readings hold (one head: see batched_matmul_readings);
+    a product with a bias keeps the reading its mask was built for."""
+    if matmul.batch_rank == batch_rank or matmul.bias is not None:
+        return matmul
+    same = [r for r in batched_matmul_readings(matmul.out) if r.bmm is matmul.bmm and r.batch_rank == batch_rank]
+    return same[0] if same else matmul
 
 
 def _record_scale(site: AttentionSite, *factor_lists) -> None:

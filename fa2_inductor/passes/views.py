@@ -131,6 +131,24 @@ class BatchedMatmul:
     bias: Optional[fx.Node] = None
 
 
+def is_outer_product(node: fx.Node) -> bool:
+    """``a * b`` with a ``[N, M, 1]`` and b ``[N, 1, K]`` (one dtype, no broadcast over N): ``bmm(a, b)``,
+    which Inductor decomposes so (attention over a single key leaves P @ V in this form)."""
+    if not ops.calls(node, *ops.OUTER_PRODUCT) or not all(isinstance(a, fx.Node) for a in node.args):
+        return False
+    a, b, out = (tensor_val(n) for n in (*node.args, node))
+    if a is None or b is None or a.dim() != 3 or b.dim() != 3 or not a.dtype == b.dtype == out.dtype:
+        return False
+    return same_size(a.shape[2], 1) and same_size(b.shape[1], 1) and same_shape(out.shape, [a.shape[0], a.shape[1], b.shape[2]]) \
+        and same_size(a.shape[0], b.shape[0])
+
+
+def is_batched_product(node, with_bias: bool = False) -> bool:
+    """A bmm (or a baddbmm ``with_bias``), in any of the forms the graph holds it."""
+    products = ops.BMM + ops.BADDBMM if with_bias else ops.BMM
+    return ops.calls(node, *products) or (isinstance(node, fx.Node) and is_outer_product(node))
+
+
 def _factors(bmm: fx.Node) -> tuple:
     """(lhs, rhs, bias) of a bmm or baddbmm node."""
     if ops.calls(bmm, *ops.BADDBMM):
@@ -183,22 +201,25 @@ def batched_matmul(node: fx.Node, with_bias: bool = False) -> Optional[BatchedMa
     # Seen through size-1 views first (einsum's extra dims); then as a plain view of the bmm, which is
     # what a batch of 1 with a single query row needs: [H, 1, Sk] -> [1, H, 1, Sk] only inserts 1s, so
     # the first reading cannot tell the row dim from an inserted one.
-    products = ops.BMM + ops.BADDBMM if with_bias else ops.BMM
-    for unit_views in (True, False):
-        found = _batched_matmul(node, unit_views, products)
-        if found is not None:
-            return found
-    return None
+    readings = batched_matmul_readings(node, with_bias)
+    return readings[0] if readings else None
 
 
-def _batched_matmul(node: fx.Node, unit_views: bool, products: tuple) -> Optional[BatchedMatmul]:
+def batched_matmul_readings(node: fx.Node, with_bias: bool = False) -> list[BatchedMatmul]:
+    """Every reading of ``node`` as a logical batched matmul, ``batched_matmul``'s first. With one head, a
+    [B, 1, M, K] view of a [B, M, K] product is both a 3-D product and a 4-D one split as [B, 1]."""
+    readings = [_batched_matmul(node, unit_views, with_bias) for unit_views in (True, False)]
+    return [r for i, r in enumerate(readings) if r is not None and r not in readings[:i]]
+
+
+def _batched_matmul(node: fx.Node, unit_views: bool, with_bias: bool) -> Optional[BatchedMatmul]:
     source, dims = strip_views(node, unit_views)
     rank = tensor_val(node).dim()
-    if ops.calls(source, *products) and rank > 3 and dims == [None] * (rank - 3) + [0, 1, 2]:
+    if is_batched_product(source, with_bias) and rank > 3 and dims == [None] * (rank - 3) + [0, 1, 2]:
         bmm = source  # a batch of 1 x H: the split of N into batch dims is a unit view
-    elif ops.calls(source, *products):
+    elif is_batched_product(source, with_bias):
         bmm, rank = source, 3
-    elif ops.calls(source, *ops.VIEW) and ops.calls(_through_identities(source.args[0]), *products):
+    elif ops.calls(source, *ops.VIEW) and is_batched_product(_through_identities(source.args[0]), with_bias):
         bmm = _through_identities(source.args[0])  # matmul's 3-D result keeps a view of its own shape
         shape, bmm_shape = tensor_val(source).shape, tensor_val(bmm).shape
         kept = _split_dims(shape, bmm_shape)
