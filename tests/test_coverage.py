@@ -35,6 +35,17 @@ def test_llama_sdpa_is_fully_rewritten_through_the_cli(tmp_path, capsys):
     assert json.loads(path.read_text())["summary"]["full"] == 1
 
 
+def test_resume_keeps_the_rows_of_families_it_does_not_run(tmp_path):
+    path = tmp_path / "coverage.json"
+    assert cli.main(["llama", "--impls", "sdpa", "--json", str(path)]) == 0
+    document = json.loads(path.read_text())
+    document["rows"][0]["family"] = "mistral"  # a row of a family the next run does not cover
+    path.write_text(json.dumps(document))
+    assert cli.main(["llama", "--impls", "sdpa", "--json", str(path), "--resume"]) == 0
+    assert sorted(row.family for row in report.read_json(path)) == ["llama", "mistral"]
+    assert json.loads(path.read_text())["summary"]["families"] == 2
+
+
 def test_a_refused_family_shows_its_reason():
     """Longformer's sliding chunks are no attention the op computes: both sites recognised, both refused,
     logits still equal."""

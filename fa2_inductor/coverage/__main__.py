@@ -27,7 +27,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=1, help="families measured side by side (default: %(default)s)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the families already in the --json file (it is rewritten after every family, "
-                             "so an interrupted sweep resumes where it stopped)")
+                             "so an interrupted sweep resumes where it stopped); rows of families this run does not "
+                             "cover stay in it")
     args = parser.parse_args(argv)
     known = models.families()
     unknown = [family for family in args.families if family not in known]
@@ -56,9 +57,16 @@ def main(argv: list[str] | None = None) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     families = args.families or models.families()
     settings = {"implementations": args.impls, "timeout_s": args.timeout_s}
-    kept = report.read_json(args.json) if args.resume and args.json.exists() else []
-    kept = [row for row in kept if row.family in families and row.implementation in args.impls]
+    previous = report.read_json(args.json) if args.resume and args.json.exists() else []
+    kept = [row for row in previous if row.family in families and row.implementation in args.impls]
+    # Rows of families (or implementations) this run does not cover stay in the file: resuming a sweep of a
+    # few families never drops the others' rows.
+    others = [row for row in previous if not (row.family in families and row.implementation in args.impls)]
     finished = list(kept)
+    order = {family: i for i, family in enumerate(models.families())}
+
+    def document(rows: list[Row]) -> list[Row]:
+        return sorted(others + rows, key=lambda row: order.get(row.family, len(order)))
     todo = [family for family in families if family not in {row.family for row in kept}]
     start = time.perf_counter()
 
@@ -67,11 +75,10 @@ def _sweep(args: argparse.Namespace) -> int:
         print(f"[{done}/{len(todo)}] {family}: {verdicts}  {seconds:.1f} s", file=sys.stderr, flush=True)
         finished.extend(rows)
         if args.json:
-            report.write_json(args.json, finished, {**settings, "complete": False})
+            report.write_json(args.json, document(finished), {**settings, "complete": False})
 
     run.run_all(todo, args.impls, args.timeout_s, args.jobs, progress)
-    order = {family: i for i, family in enumerate(families)}
-    rows = sorted(finished, key=lambda row: order[row.family])  # stable: implementations keep their order
+    rows = sorted(finished, key=lambda row: order.get(row.family, len(order)))  # stable: implementations keep their order
     print(report.table(rows, args.impls))
     defects = report.defects(rows)
     if defects:
@@ -80,7 +87,7 @@ def _sweep(args: argparse.Namespace) -> int:
             print(f"  {row.family} {row.implementation}: {row.status.meaning}: {row.why()}")
     print("\n" + report.summary_line(rows) + f"  [{time.perf_counter() - start:.0f} s]")
     if args.json:
-        report.write_json(args.json, rows, {**settings, "complete": True})
+        report.write_json(args.json, document(rows), {**settings, "complete": True})
     return 0
 
 
