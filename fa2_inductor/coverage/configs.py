@@ -128,6 +128,11 @@ def _overrides(config) -> dict:
     for name, size in _IMAGE.items():
         if isinstance(values.get(name), int):
             overrides[name] = size
+    if isinstance(values.get("output_stride"), int) and isinstance(values.get("patch_size"), int):
+        # Transformer blocks deep in a convolutional backbone (MobileViT): an image large enough for 2 x 2
+        # patches at the deepest stride, so that their attention runs over several tokens, not one.
+        overrides["patch_size"] = min(values["patch_size"], PATCH_SIZE)
+        overrides["image_size"] = 2 * overrides["patch_size"] * values["output_stride"]
     if isinstance(values.get("sliding_window"), int) and values["sliding_window"] > 0:
         overrides["sliding_window"] = 8  # shorter than the inputs, so a window really cuts keys
     for name in ("rope_parameters", "rope_scaling"):  # multimodal RoPE: sections add up to half a head
