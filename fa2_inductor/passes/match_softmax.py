@@ -167,6 +167,8 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
         elif scaled:
             x = scaled[0]
             scores.factors.append(scaled[1:])
+        elif _plus_zero(x) is not None:
+            x = _plus_zero(x)
         elif ops.calls(x, *ops.ADD) and all(isinstance(a, fx.Node) for a in x.args):
             x = _additive_mask(scores, x)
         elif ops.calls(x, *ops.WHERE):
@@ -213,6 +215,19 @@ def _softcap(scores: _Scores, tanh: fx.Node) -> Optional[fx.Node]:
     cap = _softcap_value(scores)
     inner_cap = factor if divide else 1.0 / factor
     if not (cap > 0 and math.isfinite(cap) and math.isclose(cap, inner_cap, rel_tol=2 ** -23)):
+        return None
+    return x
+
+
+def _plus_zero(node: fx.Node) -> Optional[fx.Node]:
+    """The scores of ``scores + 0`` (DeBERTa without relative attention adds its ``rel_att = 0``): the same
+    values (a -0.0 score becomes 0.0, which exp() does not tell apart)."""
+    if not ops.calls(node, *ops.ADD):
+        return None
+    x, other, alpha = node.args[0], ops.arg(node, "other"), ops.arg(node, "alpha")
+    if not (_is_number(other) and other == 0 and _is_number(alpha) and math.isfinite(alpha)):
+        return None
+    if not isinstance(x, fx.Node) or _dtype(x) != _dtype(node):
         return None
     return x
 
@@ -569,6 +584,15 @@ def _softmax_with_sinks(softmax: Softmax) -> Optional[tuple[Softmax, fx.Node]]:
     return Softmax(scores, users[0], dim, set(softmax.rounded_to), softmax.refused), sinks
 
 
+def _without_row_max(softmax: Softmax) -> Softmax:
+    """``softmax(x - max(x, dim))`` is ``softmax(x)`` (MiMo subtracts the row max itself): the softmax
+    subtracts its row max, 0 here, so both compute exp of the same rounded ``x - max(x)``."""
+    x = softmax.input
+    if ops.calls(x, *ops.SUB) and _is_row_max_of(x.args[1], x.args[0], softmax.dim):
+        return Softmax(x.args[0], softmax.output, softmax.dim, set(softmax.rounded_to), softmax.refused)
+    return softmax
+
+
 def _is_row_max_of(node, x: fx.Node, dim: int) -> bool:
     """``max(x, dim, keepdim=True).values`` or ``amax(x, [dim], keepdim=True)``."""
     if ops.calls(node, *ops.AMAX):
@@ -731,6 +755,8 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     with_sinks = _softmax_with_sinks(softmax)
     if with_sinks is not None:  # from here on the softmax is the keys' part of it, over the scores alone
         softmax, sinks = with_sinks
+    else:
+        softmax = _without_row_max(softmax)
     product, unknown_ops = scores_product(softmax.input)
     probs = _walk_down_probs(softmax)
     if product is None or probs is None:
