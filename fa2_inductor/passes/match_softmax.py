@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from . import op_table as ops
 from .fx_utils import forward_users, insert_call, is_op, is_joint_graph, same_shape, same_size, scalar_value, tensor_val
-from .mask_structure import constant_value, finite_by_construction
+from .mask_structure import constant_after_casts, constant_value, finite_by_construction, strip_value_preserving
 from .precision import chain_rounding_refusal, run_in_input_precision
 from .refusals import Refusal, Refused
 from .site import BHSD, FLAT, AttentionSite
@@ -149,7 +149,7 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
     x, scores = softmax.input, _Scores(rounded_to=set(softmax.rounded_to))
     for _ in range(24):
         if scores.merged_heads is None:
-            scores.matmul = batched_matmul(x, with_bias=True)
+            scores.matmul = batched_matmul(x, with_bias=True, scale_of=_scale_factor)
             if scores.matmul is not None:
                 if scores.matmul.bias is not None:
                     _bias_of_product(scores, scores.matmul)
@@ -256,8 +256,8 @@ def _additive_mask(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
         scores.refused = Refused(Refusal.NON_FLOAT_ADDITIVE_MASK, str(_dtype(mask)))
     elif scores.clamped and not finite_by_construction(mask):
         scores.refused = _clamp_over_infinities()
-    elif scores.factors:
-        scores.refused = Refused(Refusal.SCALE_AFTER_MASK)
+    elif any(isinstance(factor, fx.Node) for factor, _ in scores.factors):
+        scores.refused = Refused(Refusal.SCALE_AFTER_MASK, "a mask, then a scale that is a tensor")
     elif scores.mask_negated or any(_is_bool(m) for m in scores.masks):
         scores.refused = Refused(Refusal.SEVERAL_MASKS)
     elif any(not ops.widens(_dtype(mask), d) for d in scores.rounded_to):
@@ -266,6 +266,8 @@ def _additive_mask(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
     else:
         if alpha != 1 and mask is b:
             mask = _scaled_mask(mask, alpha, add)
+        if scores.factors:
+            mask = _mask_under_later_factors(mask, scores.factors, add)
         scores.masks.append(_mask_for_flat_scores(mask, scores, add))
         if alpha != 1 and x is b:
             scores.factors.append((alpha, False))  # applied to the scores before the mask is added
@@ -345,6 +347,37 @@ def _scaled_mask(mask: fx.Node, alpha, add: fx.Node) -> fx.Node:
         scaled = insert_call(add.graph, torch.ops.aten.mul.Tensor, (mask, alpha))
     _tag_like(add, [scaled])
     return scaled
+
+
+def _mask_under_later_factors(mask: fx.Node, factors: list, add: fx.Node) -> fx.Node:
+    """CodeGen's ``(s + mask) / c`` is ``s / c + mask / c``: the mask as the numbers ``factors`` met below
+    its add leave it, in the add's dtype (eager promotes the mask before scaling). A mask built as
+    ``where(cond, a, b)`` from constants stays one, with ``a`` and ``b`` scaled (its structure stays
+    provable); any other mask is scaled in the graph."""
+    dtype, graph = _dtype(add), add.graph
+
+    def scaled(value):
+        for factor, divide in factors:
+            value = value / factor if divide else value * factor
+        return value
+
+    new = []
+    with graph.inserting_before(add):
+        source, casts = strip_value_preserving(mask)
+        is_where = ops.calls(source, *ops.WHERE)
+        branches = [constant_after_casts(ops.arg(source, b), casts) for b in ("self", "other")] if is_where else []
+        if is_where and None not in branches:
+            fills = [scaled(torch.tensor(b, dtype=dtype)).item() for b in branches]
+            new += [insert_call(graph, torch.ops.aten.scalar_tensor.default, (f,), {"dtype": dtype}) for f in fills]
+            new.append(insert_call(graph, torch.ops.aten.where.self, (ops.arg(source, "condition"), *new)))
+        else:
+            if _dtype(mask) != dtype:
+                new.append(insert_call(graph, torch.ops.prims.convert_element_type.default, (mask, dtype)))
+            for factor, divide in factors:
+                target = torch.ops.aten.div.Tensor if divide else torch.ops.aten.mul.Tensor
+                new.append(insert_call(graph, target, (new[-1] if new else mask, factor)))
+    _tag_like(add, new)
+    return new[-1]
 
 
 def _fill_value(arg, where: fx.Node) -> Optional[float]:
@@ -497,7 +530,7 @@ def _tag_like(node: fx.Node, new_nodes) -> None:
 
 def _peel_operand(operand: Operand):
     """(source, dims, factors): walks through scalar scaling and more views on a matmul operand."""
-    node, dims, factors = operand.source, list(operand.dims), []
+    node, dims, factors = operand.source, list(operand.dims), list(operand.factors)
     while True:
         scaled = _scale_factor(node) if len(forward_users(node)) <= 1 else None  # a shared node is the input
         if scaled is None:
