@@ -171,6 +171,9 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
             x = _plus_zero(x)
         elif ops.calls(x, *ops.ADD) and all(isinstance(a, fx.Node) for a in x.args):
             x = _additive_mask(scores, x)
+        elif scores.merged_heads is None and _split_sum(x):
+            scores.refused = Refused(Refusal.UNRECOGNISED_LAYOUT, "an additive term summed with [B*H, M, K] scores, "
+                                     "then viewed as [B, H, M, K]")
         elif ops.calls(x, *ops.WHERE):
             x = _where_mask(scores, x)
         elif undoes_a_view(x):
@@ -238,8 +241,14 @@ def _transform_refusal(node: fx.Node) -> Refused:
     if unaccepted:
         return Refused(Refusal.UNSUPPORTED_ARGUMENT, unaccepted)
     # tanh between scale and softmax is logit soft-capping (Gemma 2): not an attention the op computes.
-    reason = Refusal.SOFTCAP if node.target is torch.ops.aten.tanh.default else Refusal.SCORE_TRANSFORM
-    return Refused(reason, str(node.target))
+    if node.target is torch.ops.aten.tanh.default:
+        return Refused(Refusal.SOFTCAP, str(node.target))
+    if ops.calls(node, *ops.overloads(torch.ops.aten.mul, "Tensor")) and all(
+            tensor_val(a) is not None and tensor_val(a).dim() > 0 for a in node.args):
+        # OpenAI GPT's ``w * b + -1e4 * (1 - b)``: an additive mask only if every b is 0 or 1, which a tensor
+        # read from the graph's inputs (a buffer) does not prove.
+        return Refused(Refusal.SCORE_TRANSFORM, f"{node.target}: the scores multiplied by a tensor (a multiplicative mask)")
+    return Refused(Refusal.SCORE_TRANSFORM, str(node.target))
 
 
 def _additive_mask(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
@@ -247,9 +256,19 @@ def _additive_mask(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
     a, b = add.args
     alpha = ops.arg(add, "alpha")
     a_scores, b_scores = _reaches_matmul(a), _reaches_matmul(b)
-    if a_scores == b_scores:
+    if a_scores and b_scores:
+        split = _product_and_term(a, b)
+        if split is None:
+            return None
+        x, mask = split
+        if is_joint_graph(add.graph):
+            scores.refused = Refused(Refusal.TRAINING_GRADIENT_UNMAPPED, "an additive term computed from other "
+                                     "products (relative positions): its gradient also flows into their inputs")
+            return x
+    elif a_scores == b_scores:
         return None
-    x, mask = (a, b) if a_scores else (b, a)
+    else:
+        x, mask = (a, b) if a_scores else (b, a)
     if not (_is_number(alpha) and math.isfinite(alpha)):
         scores.refused = Refused(Refusal.UNSUPPORTED_ARGUMENT, f"{add.target} with alpha={alpha!r}")
     elif not _dtype(mask).is_floating_point:  # s + bool adds 1.0: not a mask the op knows
@@ -272,6 +291,44 @@ def _additive_mask(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
         if alpha != 1 and x is b:
             scores.factors.append((alpha, False))  # applied to the scores before the mask is added
     return x
+
+
+def _split_sum(view: fx.Node) -> bool:
+    """``(s + t).view(B, H, M, K)`` of [B*H, M, K] scores: DeBERTa-v2 adds its relative-position terms to
+    the 3-D scores, then masks and normalises a 4-D view of the sum (refused: the walk reads masks on the
+    scores' own view only)."""
+    if not ops.calls(view, *ops.VIEW) or not ops.calls(view.args[0], *ops.ADD):
+        return False
+    shape, merged = tensor_val(view).shape, tensor_val(view.args[0]).shape
+    return len(merged) == 3 and len(shape) == 4 and same_shape(shape[2:], merged[1:])
+
+
+def _product_and_term(a: fx.Node, b: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
+    """(scores, term) for ``a + b`` where both come from matmuls: DeBERTa adds relative-position terms
+    (products of q or k with position embeddings, gathered) to q @ kᵀ. The scores are the one side that is
+    a batched product itself; the other is an additive mask if it is not computed from that product."""
+    products = [(side, batched_matmul(side, with_bias=True, scale_of=_scale_factor)) for side in (a, b)]
+    products = [(side, matmul) for side, matmul in products if matmul is not None]
+    if len(products) != 1:
+        return None
+    scores, matmul = products[0]
+    term = b if scores is a else a
+    return None if _computed_from(term, matmul.bmm) else (scores, term)
+
+
+def _computed_from(node: fx.Node, source: fx.Node) -> bool:
+    """``source`` is among the nodes ``node`` is computed from (graph order bounds the search)."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    first, seen, stack = order[source], set(), [node]
+    while stack:
+        current = stack.pop()
+        if current is source:
+            return True
+        if current in seen or order[current] < first:
+            continue
+        seen.add(current)
+        stack.extend(current.all_input_nodes)
+    return False
 
 
 def _clamp_over_infinities() -> Refused:
