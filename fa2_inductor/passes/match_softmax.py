@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.fx as fx
@@ -258,8 +258,9 @@ def _additive_mask(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
     a_scores, b_scores = _reaches_matmul(a), _reaches_matmul(b)
     if a_scores and b_scores:
         split = _product_and_term(a, b)
-        if split is None:
-            return None
+        if isinstance(split, Refused):
+            scores.refused = split
+            return add
         x, mask = split
         if is_joint_graph(add.graph):
             scores.refused = Refused(Refusal.TRAINING_GRADIENT_UNMAPPED, "an additive term computed from other "
@@ -303,17 +304,19 @@ def _split_sum(view: fx.Node) -> bool:
     return len(merged) == 3 and len(shape) == 4 and same_shape(shape[2:], merged[1:])
 
 
-def _product_and_term(a: fx.Node, b: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
+def _product_and_term(a: fx.Node, b: fx.Node) -> Union[tuple[fx.Node, fx.Node], Refused]:
     """(scores, term) for ``a + b`` where both come from matmuls: DeBERTa adds relative-position terms
     (products of q or k with position embeddings, gathered) to q @ kᵀ. The scores are the one side that is
     a batched product itself; the other is an additive mask if it is not computed from that product."""
     products = [(side, batched_matmul(side, with_bias=True, scale_of=_scale_factor)) for side in (a, b)]
     products = [(side, matmul) for side, matmul in products if matmul is not None]
     if len(products) != 1:
-        return None
+        return Refused(Refusal.SCORE_TRANSFORM, f"a sum of {'two products' if products else 'terms from products'}")
     scores, matmul = products[0]
     term = b if scores is a else a
-    return None if _computed_from(term, matmul.bmm) else (scores, term)
+    if _computed_from(term, matmul.bmm):
+        return Refused(Refusal.SCORE_TRANSFORM, "a term added to the scores computed from the scores")
+    return scores, term
 
 
 def _computed_from(node: fx.Node, source: fx.Node) -> bool:
