@@ -44,8 +44,9 @@ def _softcap(q, k, v):
 
 
 def _scale_after_mask(q, k, v):
+    """A tensor scale after the mask (a number one is folded into the mask: test_pass_gaps)."""
     bias = torch.zeros(q.shape[-2], k.shape[-2])
-    return ((q @ k.transpose(-2, -1) + bias) * D**-0.5).softmax(-1) @ v
+    return ((q @ k.transpose(-2, -1) + bias) * torch.tensor(D**-0.5)).softmax(-1) @ v
 
 
 def _finite_fill(q, k, v):

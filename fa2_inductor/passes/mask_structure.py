@@ -215,6 +215,11 @@ def constant_value(node) -> Optional[float]:
     return None
 
 
+def constant_after_casts(node, casts: list) -> Optional[float]:
+    """The single value of ``node`` (see ``constant_value``) as it comes out of ``casts``."""
+    return _cast(constant_value(node), casts)
+
+
 def _cast(value: Optional[float], dtypes: list) -> Optional[float]:
     """``value`` as it comes out of casts to each of ``dtypes`` in turn."""
     if value is None:

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from . import op_table as ops
 from .fx_utils import forward_users, insert_call, is_op, is_joint_graph, same_shape, same_size, scalar_value, tensor_val
-from .mask_structure import constant_value, finite_by_construction
+from .mask_structure import constant_after_casts, constant_value, finite_by_construction, strip_value_preserving
 from .precision import chain_rounding_refusal, run_in_input_precision
 from .refusals import Refusal, Refused
 from .site import BHSD, FLAT, AttentionSite
@@ -149,7 +149,7 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
     x, scores = softmax.input, _Scores(rounded_to=set(softmax.rounded_to))
     for _ in range(24):
         if scores.merged_heads is None:
-            scores.matmul = batched_matmul(x, with_bias=True)
+            scores.matmul = batched_matmul(x, with_bias=True, scale_of=_scale_factor)
             if scores.matmul is not None:
                 if scores.matmul.bias is not None:
                     _bias_of_product(scores, scores.matmul)
@@ -167,8 +167,13 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
         elif scaled:
             x = scaled[0]
             scores.factors.append(scaled[1:])
+        elif _plus_zero(x) is not None:
+            x = _plus_zero(x)
         elif ops.calls(x, *ops.ADD) and all(isinstance(a, fx.Node) for a in x.args):
             x = _additive_mask(scores, x)
+        elif scores.merged_heads is None and _split_sum(x):
+            scores.refused = Refused(Refusal.UNRECOGNISED_LAYOUT, "an additive term summed with [B*H, M, K] scores, "
+                                     "then viewed as [B, H, M, K]")
         elif ops.calls(x, *ops.WHERE):
             x = _where_mask(scores, x)
         elif undoes_a_view(x):
@@ -217,14 +222,33 @@ def _softcap(scores: _Scores, tanh: fx.Node) -> Optional[fx.Node]:
     return x
 
 
+def _plus_zero(node: fx.Node) -> Optional[fx.Node]:
+    """The scores of ``scores + 0`` (DeBERTa without relative attention adds its ``rel_att = 0``): the same
+    values (a -0.0 score becomes 0.0, which exp() does not tell apart)."""
+    if not ops.calls(node, *ops.ADD):
+        return None
+    x, other, alpha = node.args[0], ops.arg(node, "other"), ops.arg(node, "alpha")
+    if not (_is_number(other) and other == 0 and _is_number(alpha) and math.isfinite(alpha)):
+        return None
+    if not isinstance(x, fx.Node) or _dtype(x) != _dtype(node):
+        return None
+    return x
+
+
 def _transform_refusal(node: fx.Node) -> Refused:
     """Why an op on the scores makes the chain something else than the op's attention."""
     unaccepted = ops.unaccepted_use(node)
     if unaccepted:
         return Refused(Refusal.UNSUPPORTED_ARGUMENT, unaccepted)
     # tanh between scale and softmax is logit soft-capping (Gemma 2): not an attention the op computes.
-    reason = Refusal.SOFTCAP if node.target is torch.ops.aten.tanh.default else Refusal.SCORE_TRANSFORM
-    return Refused(reason, str(node.target))
+    if node.target is torch.ops.aten.tanh.default:
+        return Refused(Refusal.SOFTCAP, str(node.target))
+    if ops.calls(node, *ops.overloads(torch.ops.aten.mul, "Tensor")) and all(
+            tensor_val(a) is not None and tensor_val(a).dim() > 0 for a in node.args):
+        # OpenAI GPT's ``w * b + -1e4 * (1 - b)``: an additive mask only if every b is 0 or 1, which a tensor
+        # read from the graph's inputs (a buffer) does not prove.
+        return Refused(Refusal.SCORE_TRANSFORM, f"{node.target}: the scores multiplied by a tensor (a multiplicative mask)")
+    return Refused(Refusal.SCORE_TRANSFORM, str(node.target))
 
 
 def _additive_mask(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
@@ -254,6 +278,10 @@ def _add_of_bias_from_products(scores: _Scores, add: fx.Node) -> Optional[fx.Nod
     if _computed_from(mask, product):
         scores.refused = Refused(Refusal.SCORE_TRANSFORM, "a term computed from the scores added to them")
         return None
+    if is_joint_graph(add.graph):
+        scores.refused = Refused(Refusal.TRAINING_GRADIENT_UNMAPPED, "an additive term computed from other "
+                                 "products (relative positions): its gradient also flows into their inputs")
+        return x
     return _add_mask(scores, x, mask, add)
 
 
@@ -304,8 +332,8 @@ def _add_mask(scores: _Scores, x: fx.Node, mask: fx.Node, add: fx.Node) -> fx.No
         scores.refused = Refused(Refusal.NON_FLOAT_ADDITIVE_MASK, str(_dtype(mask)))
     elif scores.clamped and not finite_by_construction(mask):
         scores.refused = _clamp_over_infinities()
-    elif scores.factors:
-        scores.refused = Refused(Refusal.SCALE_AFTER_MASK)
+    elif any(isinstance(factor, fx.Node) for factor, _ in scores.factors):
+        scores.refused = Refused(Refusal.SCALE_AFTER_MASK, "a mask, then a scale that is a tensor")
     elif scores.mask_negated or any(_is_bool(m) for m in scores.masks):
         scores.refused = Refused(Refusal.SEVERAL_MASKS)
     elif any(not ops.widens(_dtype(mask), d) for d in scores.rounded_to):
@@ -314,10 +342,22 @@ def _add_mask(scores: _Scores, x: fx.Node, mask: fx.Node, add: fx.Node) -> fx.No
     else:
         if alpha != 1 and mask is b:
             mask = _scaled_mask(mask, alpha, add)
+        if scores.factors:
+            mask = _mask_under_later_factors(mask, scores.factors, add)
         scores.masks.append(_mask_for_flat_scores(mask, scores, add))
         if alpha != 1 and x is b:
             scores.factors.append((alpha, False))  # applied to the scores before the mask is added
     return x
+
+
+def _split_sum(view: fx.Node) -> bool:
+    """``(s + t).view(B, H, M, K)`` of [B*H, M, K] scores: DeBERTa-v2 adds its relative-position terms to
+    the 3-D scores, then masks and normalises a 4-D view of the sum (refused: the walk reads masks on the
+    scores' own view only)."""
+    if not ops.calls(view, *ops.VIEW) or not ops.calls(view.args[0], *ops.ADD):
+        return False
+    shape, merged = tensor_val(view).shape, tensor_val(view.args[0]).shape
+    return len(merged) == 3 and len(shape) == 4 and same_shape(shape[2:], merged[1:])
 
 
 def _clamp_over_infinities() -> Refused:
@@ -393,6 +433,37 @@ def _scaled_mask(mask: fx.Node, alpha, add: fx.Node) -> fx.Node:
         scaled = insert_call(add.graph, torch.ops.aten.mul.Tensor, (mask, alpha))
     _tag_like(add, [scaled])
     return scaled
+
+
+def _mask_under_later_factors(mask: fx.Node, factors: list, add: fx.Node) -> fx.Node:
+    """CodeGen's ``(s + mask) / c`` is ``s / c + mask / c``: the mask as the numbers ``factors`` met below
+    its add leave it, in the add's dtype (eager promotes the mask before scaling). A mask built as
+    ``where(cond, a, b)`` from constants stays one, with ``a`` and ``b`` scaled (its structure stays
+    provable); any other mask is scaled in the graph."""
+    dtype, graph = _dtype(add), add.graph
+
+    def scaled(value):
+        for factor, divide in factors:
+            value = value / factor if divide else value * factor
+        return value
+
+    new = []
+    with graph.inserting_before(add):
+        source, casts = strip_value_preserving(mask)
+        is_where = ops.calls(source, *ops.WHERE)
+        branches = [constant_after_casts(ops.arg(source, b), casts) for b in ("self", "other")] if is_where else []
+        if is_where and None not in branches:
+            fills = [scaled(torch.tensor(b, dtype=dtype)).item() for b in branches]
+            new += [insert_call(graph, torch.ops.aten.scalar_tensor.default, (f,), {"dtype": dtype}) for f in fills]
+            new.append(insert_call(graph, torch.ops.aten.where.self, (ops.arg(source, "condition"), *new)))
+        else:
+            if _dtype(mask) != dtype:
+                new.append(insert_call(graph, torch.ops.prims.convert_element_type.default, (mask, dtype)))
+            for factor, divide in factors:
+                target = torch.ops.aten.div.Tensor if divide else torch.ops.aten.mul.Tensor
+                new.append(insert_call(graph, target, (new[-1] if new else mask, factor)))
+    _tag_like(add, new)
+    return new[-1]
 
 
 def _fill_value(arg, where: fx.Node) -> Optional[float]:
@@ -548,7 +619,7 @@ def _tag_like(node: fx.Node, new_nodes) -> None:
 
 def _peel_operand(operand: Operand):
     """(source, dims, factors): walks through scalar scaling and more views on a matmul operand."""
-    node, dims, factors = operand.source, list(operand.dims), []
+    node, dims, factors = operand.source, list(operand.dims), list(operand.factors)
     while True:
         scaled = _scale_factor(node) if len(forward_users(node)) <= 1 else None  # a shared node is the input
         if scaled is None:
@@ -633,6 +704,15 @@ def _softmax_with_sinks(softmax: Softmax) -> Optional[tuple[Softmax, fx.Node]]:
     if sinks is None:
         return None
     return Softmax(scores, users[0], dim, set(softmax.rounded_to), softmax.refused), sinks
+
+
+def _without_row_max(softmax: Softmax) -> Softmax:
+    """``softmax(x - max(x, dim))`` is ``softmax(x)`` (MiMo subtracts the row max itself): the softmax
+    subtracts its row max, 0 here, so both compute exp of the same rounded ``x - max(x)``."""
+    x = softmax.input
+    if ops.calls(x, *ops.SUB) and _is_row_max_of(x.args[1], x.args[0], softmax.dim):
+        return Softmax(x.args[0], softmax.output, softmax.dim, set(softmax.rounded_to), softmax.refused)
+    return softmax
 
 
 def _is_row_max_of(node, x: fx.Node, dim: int) -> bool:
@@ -797,6 +877,8 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     with_sinks = _softmax_with_sinks(softmax)
     if with_sinks is not None:  # from here on the softmax is the keys' part of it, over the scores alone
         softmax, sinks = with_sinks
+    else:
+        softmax = _without_row_max(softmax)
     product, unknown_ops = scores_product(softmax.input)
     probs = _walk_down_probs(softmax)
     if product is None or probs is None:

@@ -8,7 +8,7 @@ matcher can reason about logical ``[..., M, K] @ [..., K, N]`` products.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch.fx as fx
@@ -114,6 +114,7 @@ class Operand:
 
     source: fx.Node
     dims: list[int]
+    factors: list = field(default_factory=list)  # (factor, divide): scalar scales met on the [N, M, K] operand
 
 
 @dataclass
@@ -156,11 +157,16 @@ def _factors(bmm: fx.Node) -> tuple:
     return bmm.args[0], bmm.args[1], None
 
 
-def _operand(bmm_arg: fx.Node, rank: int) -> Optional[Operand]:
-    node = bmm_arg
+def _operand(bmm_arg: fx.Node, rank: int, scale_of=None) -> Optional[Operand]:
+    node, factors = bmm_arg, []
     while _is_identity(node):
         node = node.args[0]
     if rank > 3:
+        # A scale on the merged operand (DeBERTa-v2's ``bmm(q, kᵀ / c)``) scales the logical one alike.
+        while scale_of is not None and len(forward_users(node)) <= 1 and scale_of(node) is not None:
+            node, factor, divide = scale_of(node)
+            factors.append((factor, divide))
+            node = _through_identities(node)
         # A [N, M, K] operand may be transposed after the merge (BLOOM's ``k.transpose(-1, -2)`` of a flat k).
         swapped = ops.calls(node, *ops.PERMUTE) and list(ops.arg(node, "dims")) == [0, 2, 1]
         if swapped:
@@ -181,7 +187,7 @@ def _operand(bmm_arg: fx.Node, rank: int) -> Optional[Operand]:
         source, source_dims = strip_views(node, unit_views, keep_shared=True)
         dims = [source_dims[i] for i in kept]
         if None not in dims and len(set(dims)) == rank and tensor_val(source).dim() == rank:
-            return Operand(source, dims)
+            return Operand(source, dims, factors)
     if rank == 3:  # e.g. a [1, H, S, D] tensor seen as [H, S, D]
         return Operand(node, [0, 1, 2])
     return None
@@ -196,23 +202,25 @@ def _split_dims(shape, bmm_shape) -> Optional[list[int]]:
     return None
 
 
-def batched_matmul(node: fx.Node, with_bias: bool = False) -> Optional[BatchedMatmul]:
-    """Recognises ``node`` as the output of a logical batched matmul (a baddbmm too ``with_bias``), or None."""
+def batched_matmul(node: fx.Node, with_bias: bool = False, scale_of=None) -> Optional[BatchedMatmul]:
+    """Recognises ``node`` as the output of a logical batched matmul (a baddbmm too ``with_bias``), or None.
+    With ``scale_of`` (node -> (input, factor, divide) or None), scalar scales between an operand's merge
+    into [N, M, K] and the bmm are seen through and kept in ``Operand.factors``."""
     # Seen through size-1 views first (einsum's extra dims); then as a plain view of the bmm, which is
     # what a batch of 1 with a single query row needs: [H, 1, Sk] -> [1, H, 1, Sk] only inserts 1s, so
     # the first reading cannot tell the row dim from an inserted one.
-    readings = batched_matmul_readings(node, with_bias)
+    readings = batched_matmul_readings(node, with_bias, scale_of)
     return readings[0] if readings else None
 
 
-def batched_matmul_readings(node: fx.Node, with_bias: bool = False) -> list[BatchedMatmul]:
+def batched_matmul_readings(node: fx.Node, with_bias: bool = False, scale_of=None) -> list[BatchedMatmul]:
     """Every reading of ``node`` as a logical batched matmul, ``batched_matmul``'s first. With one head, a
     [B, 1, M, K] view of a [B, M, K] product is both a 3-D product and a 4-D one split as [B, 1]."""
-    readings = [_batched_matmul(node, unit_views, with_bias) for unit_views in (True, False)]
+    readings = [_batched_matmul(node, unit_views, with_bias, scale_of) for unit_views in (True, False)]
     return [r for i, r in enumerate(readings) if r is not None and r not in readings[:i]]
 
 
-def _batched_matmul(node: fx.Node, unit_views: bool, with_bias: bool) -> Optional[BatchedMatmul]:
+def _batched_matmul(node: fx.Node, unit_views: bool, with_bias: bool, scale_of) -> Optional[BatchedMatmul]:
     source, dims = strip_views(node, unit_views)
     rank = tensor_val(node).dim()
     if is_batched_product(source, with_bias) and rank > 3 and dims == [None] * (rank - 3) + [0, 1, 2]:
@@ -231,7 +239,7 @@ def _batched_matmul(node: fx.Node, unit_views: bool, with_bias: bool) -> Optiona
     if rank == 3 and [d for d in dims if d is not None] != [0, 1, 2]:
         return None
     lhs_arg, rhs_arg, bias = _factors(bmm)
-    lhs, rhs = _operand(lhs_arg, rank), _operand(rhs_arg, rank)
+    lhs, rhs = _operand(lhs_arg, rank, scale_of), _operand(rhs_arg, rank, scale_of)
     if lhs is None or rhs is None:
         return None
     return BatchedMatmul(bmm, node, lhs, rhs, rank - 2, bias)
