@@ -15,7 +15,6 @@ import time
 import traceback
 from collections import Counter
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -26,9 +25,7 @@ _SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
 class CountAttentionCalls(TorchFunctionMode):
-    """Counts softmax and SDPA calls at the torch API level (what the model asks for, before decompositions).
-    A softmax over a single element is identically 1, no attention over anything (SwiftFormer's "additive
-    attention"): not counted."""
+    """Counts softmax and SDPA calls at the torch API level (what the model asks for, before decompositions)."""
 
     def __init__(self):
         super().__init__()
@@ -38,18 +35,9 @@ class CountAttentionCalls(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is _SDPA:
             self.sdpa += 1
-        elif getattr(func, "__name__", "") == "softmax" and _softmax_length(args, kwargs or {}) != 1:
-            self.softmax += 1  # torch.softmax, F.softmax, Tensor.softmax
+        elif getattr(func, "__name__", "") == "softmax":  # torch.softmax, F.softmax, Tensor.softmax
+            self.softmax += 1
         return func(*args, **(kwargs or {}))
-
-
-def _softmax_length(args: tuple, kwargs: dict) -> Optional[int]:
-    """How many elements a softmax call normalises over (None where its arguments do not say)."""
-    x = args[0] if args else kwargs.get("input")
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    if not isinstance(x, torch.Tensor) or not isinstance(dim, int) or x.dim() == 0:
-        return None
-    return x.shape[dim]
 
 
 def first_float_output(output) -> torch.Tensor:
