@@ -17,7 +17,11 @@
 #               scripts/backward_sanitize.py -> *_memcheck.log, *_racecheck.log
 #   bench       python -m fa2_inductor.bench --json bench.json --plot bench.png (BENCH_ARGS adds options)
 #   mask-bench  python -m fa2_inductor.bench --masks --json mask_bench.json
+#   train-bench python -m fa2_inductor.bench --backward --json backward.json (forward+backward, backward alone)
+#   overhead    python -m fa2_inductor.bench --overhead --json overhead.json (µs per call next to SDPA)
+#   score-mods  python -m fa2_inductor.bench --score-mods --json score_mods.json (soft-capping and sinks)
 #   e2e         python -m fa2_inductor.bench_e2e --json e2e.json (E2E_ARGS adds options, quotes allowed)
+#   zoo         python -m fa2_inductor.bench_e2e --zoo --json zoo.json (real model shapes with attention_mask)
 #   suite       the README's test command, python -m pytest -q tests, with the same per-test cut -> suite.log
 #   demo        python -m fa2_inductor.demo -> demo.log
 #   report      results.md from this folder's JSON (python -m fa2_inductor.bench.results)
@@ -38,7 +42,7 @@ RESULTS=$(cd "${1:-./hopper_results}" && pwd)
 cd "$ROOT"
 PY=${PYTHON:-$(command -v python || command -v python3)}
 [[ -n $PY ]] || { echo "no python on PATH (set PYTHON)"; exit 2; }
-STAGES=${STAGES:-env,build,gpu-tests,sanitize,bench,mask-bench,e2e,suite,report}
+STAGES=${STAGES:-env,build,gpu-tests,sanitize,bench,mask-bench,train-bench,overhead,score-mods,e2e,zoo,suite,report}
 BUDGET_S=${BUDGET_S:-3600}
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-300}
 START=$(date +%s)
@@ -197,6 +201,25 @@ stage_mask_bench() {
   return $rc
 }
 
+# A benchmark mode of python -m fa2_inductor.bench into NAME.json and NAME.log: stage_bench_mode NAME FLAG.
+stage_bench_mode() {
+  limited "$PY" -m fa2_inductor.bench "$2" --json "$RESULTS/$1.json" > "$RESULTS/$1.log" 2>&1
+  local rc=$?
+  RESULT=$(last_line "$RESULTS/$1.log")
+  return $rc
+}
+stage_train_bench() { stage_bench_mode backward --backward; }
+stage_overhead() { stage_bench_mode overhead --overhead; }
+stage_score_mods() { stage_bench_mode score_mods --score-mods; }
+
+stage_zoo() {
+  limited "$PY" -m fa2_inductor.bench_e2e --zoo --json "$RESULTS/zoo.json" --plot "$RESULTS/zoo.png" \
+    > "$RESULTS/zoo.log" 2>&1
+  local rc=$?
+  RESULT=$(last_line "$RESULTS/zoo.log")
+  return $rc
+}
+
 stage_e2e() {
   local -a extra; eval "extra=(${E2E_ARGS:-})"
   limited "$PY" -m fa2_inductor.bench_e2e --json "$RESULTS/e2e.json" "${extra[@]}" > "$RESULTS/e2e.log" 2>&1
@@ -239,7 +262,7 @@ PY
 stage_report() {
   write_summary_json
   local files=()
-  for f in summary.json bench.json mask_bench.json e2e.json; do [[ -f $RESULTS/$f ]] && files+=("$RESULTS/$f"); done
+  for f in summary.json bench.json mask_bench.json backward.json overhead.json score_mods.json e2e.json zoo.json; do [[ -f $RESULTS/$f ]] && files+=("$RESULTS/$f"); done
   limited "$PY" -m fa2_inductor.bench.results "${files[@]}" -o "$RESULTS/results.md" > "$RESULTS/report.log" 2>&1
   local rc=$?
   RESULT="results.md from ${#files[@]} JSON files"
@@ -256,7 +279,11 @@ run_stage gpu-tests 1200 stage_gpu_tests
 run_stage sanitize 900 stage_sanitize
 run_stage bench 900 stage_bench
 run_stage mask-bench 300 stage_mask_bench
+run_stage train-bench 900 stage_train_bench
+run_stage overhead 120 stage_overhead
+run_stage score-mods 300 stage_score_mods
 run_stage e2e 900 stage_e2e
+run_stage zoo 1200 stage_zoo
 run_stage suite 2400 stage_suite
 run_stage demo 300 stage_demo
 run_stage report 120 stage_report
