@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    families = args.families or models.families()
+    every_family = models.families()
+    families = args.families or every_family
     settings = {"implementations": args.impls, "timeout_s": args.timeout_s}
     previous = report.read_json(args.json) if args.resume and args.json.exists() else []
     kept = [row for row in previous if row.family in families and row.implementation in args.impls]
@@ -63,7 +64,7 @@ def _sweep(args: argparse.Namespace) -> int:
     # few families never drops the others' rows.
     others = [row for row in previous if not (row.family in families and row.implementation in args.impls)]
     finished = list(kept)
-    order = {family: i for i, family in enumerate(models.families())}
+    order = {family: i for i, family in enumerate(every_family)}
 
     def document(rows: list[Row]) -> list[Row]:
         return sorted(others + rows, key=lambda row: order.get(row.family, len(order)))

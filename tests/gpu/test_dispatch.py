@@ -49,7 +49,10 @@ def launches_from_python(q, k, v, mask, scale, is_causal, window_left=-1, empty_
         return out, lse
     if k.shape[2] == 0:
         out.zero_()
-        lse.copy_(sinks.float().view(1, -1, 1).expand_as(lse)) if sinks is not None else lse.fill_(float("-inf"))
+        if sinks is None:
+            lse.fill_(float("-inf"))
+        else:
+            lse.copy_(sinks.float().view(1, -1, 1).expand_as(lse))
         return out, lse
     if scale == 0:
         reference.attention_forward(q, k, v, mask, 0.0, is_causal, out, lse, window_left, empty_rows, softcap, sinks)
