@@ -95,15 +95,8 @@ const std::vector<KernelEntry>& kernel_table() {
 }
 #undef FA2_ENTRY  // the table's file also holds the backward's rows, behind FA2_BWD_ENTRY
 
-// A head dim with no kernel of its own runs on the smallest larger compiled one (the kernels pad it with zeros
-// in their TMA loads): opt-in with FA2_INDUCTOR_PADDED_HEAD_DIMS=1 until measured on a Hopper GPU.
-bool padded_head_dims_enabled() {
-  const char* enabled = std::getenv("FA2_INDUCTOR_PADDED_HEAD_DIMS");
-  return enabled != nullptr && std::strcmp(enabled, "1") == 0;
-}
-
-// The entry (forward or backward table) that runs this head dim and dtype: its own, else (padding enabled, a
-// multiple of 8) the smallest larger one; null when none.
+// The entry (forward or backward table) that runs this head dim and dtype: its own, else (a multiple of 8) the
+// smallest larger one, whose TMA loads pad the head dim with zeros and whose stores clip it; null when none.
 template <class Entry>
 const Entry* entry_for_head_dim(const std::vector<Entry>& table, int64_t head_dim, fa2::DType dtype) {
   const Entry* padded = nullptr;
@@ -112,7 +105,7 @@ const Entry* entry_for_head_dim(const std::vector<Entry>& table, int64_t head_di
     if (e.head_dim == head_dim) return &e;
     if (e.head_dim > head_dim && (padded == nullptr || e.head_dim < padded->head_dim)) padded = &e;
   }
-  const bool paddable = head_dim > 0 && head_dim % fa2::kStrideAlignElements == 0 && padded_head_dims_enabled();
+  const bool paddable = head_dim > 0 && head_dim % fa2::kStrideAlignElements == 0;
   return paddable ? padded : nullptr;
 }
 

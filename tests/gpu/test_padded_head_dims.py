@@ -1,8 +1,8 @@
-"""Head dims without a kernel of their own (FA2_INDUCTOR_PADDED_HEAD_DIMS=1): they run on the smallest larger
+"""Head dims without a kernel of their own: they run on the smallest larger
 compiled kernel, zero-padded by its TMA loads and clipped by its stores. Forward (plain, causal, bool and
 additive masks, GQA, strided) and backward (dq, dk, dv, the additive mask's gradient) against the float64
 reference with FlashAttention's 2x rule, into NaN-poisoned outputs, so a column written past the tensor's
-head dim or one left unwritten fails. Without the variable those head dims stay with the reference. Skipped
+head dim or one left unwritten fails. A head dim that is not a multiple of 8 stays with the reference. Skipped
 unless an sm_90 GPU and fa2_inductor._C exist.
 """
 
@@ -28,11 +28,6 @@ from tests.gpu.test_mask import check_masked  # noqa: E402
 PADDED = (32, 48, 80, 96, 112, 160, 192, 200)
 
 
-@pytest.fixture
-def padded(monkeypatch):
-    monkeypatch.setenv("FA2_INDUCTOR_PADDED_HEAD_DIMS", "1")
-
-
 def needs_larger_kernel(d: int, dt: str) -> None:
     if not any(cd > d and name == dt for cd, name in COMPILED):
         pytest.skip(f"no compiled {dt} kernel above head dim {d}")
@@ -42,7 +37,7 @@ def needs_larger_kernel(d: int, dt: str) -> None:
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("d", PADDED)
-def test_forward(padded, d, dt, is_causal, layout):
+def test_forward(d, dt, is_causal, layout):
     needs_larger_kernel(d, dt)
     q, k, v = make_qkv(2, 4, 2, 97, 1000, d, DTYPES[dt], layout=layout, seed=d)
     check_forward(q, k, v, is_causal)  # asserts the kernel takes the call
@@ -50,7 +45,7 @@ def test_forward(padded, d, dt, is_causal, layout):
 
 @pytest.mark.parametrize("mask_kind", ["bool", "additive"])
 @pytest.mark.parametrize("d", (80, 96))
-def test_forward_masked(padded, d, mask_kind):
+def test_forward_masked(d, mask_kind):
     needs_larger_kernel(d, "bf16")
     q, k, v = make_qkv(1, 2, 2, 300, 333, d, torch.bfloat16, seed=5)
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -63,25 +58,21 @@ def test_forward_masked(padded, d, mask_kind):
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("d", PADDED)
-def test_backward(padded, d, dt, is_causal):
+def test_backward(d, dt, is_causal):
     needs_larger_kernel(d, dt)
     q, k, v = make_qkv(2, 4, 2, 333, 257, d, DTYPES[dt], seed=d + 1)
     check_backward(q, k, v, is_causal, seed=d)
 
 
 @pytest.mark.parametrize("d", (80, 96))
-def test_backward_additive_mask_gradient(padded, d):
+def test_backward_additive_mask_gradient(d):
     needs_larger_kernel(d, "bf16")
     q, k, v = make_qkv(1, 2, 2, 200, 300, d, torch.bfloat16, seed=7)
     bias = torch.randn(1, 2, 200, 300, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1))
     check_backward(q, k, v, False, mask=bias, mask_grad=True)
 
 
-def test_without_the_variable_they_stay_with_the_reference(monkeypatch):
-    monkeypatch.delenv("FA2_INDUCTOR_PADDED_HEAD_DIMS", raising=False)
+def test_a_head_dim_not_a_multiple_of_8_stays_with_the_reference():
     dt = sorted(COMPILED)[0][1]
-    q, k, v = make_qkv(1, 2, 2, 16, 16, 96, DTYPES[dt])
-    assert _cuda.kernel_unsupported_reason(q, k, v, None, False) == f"no kernel compiled for head dim 96 {dt}"
-    monkeypatch.setenv("FA2_INDUCTOR_PADDED_HEAD_DIMS", "1")
-    q, k, v = make_qkv(1, 2, 2, 16, 16, 100, DTYPES[dt])  # not a multiple of 8: never padded
-    assert _cuda.kernel_unsupported_reason(q, k, v, None, False) is not None
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 100, DTYPES[dt])
+    assert _cuda.kernel_unsupported_reason(q, k, v, None, False) == f"no kernel compiled for head dim 100 {dt}"
