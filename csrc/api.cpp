@@ -67,6 +67,7 @@ constexpr int64_t kMaxSeqLen = (int64_t(1) << 31) - 1;  // sequence positions ar
 
 using RunFn = cudaError_t (*)(const fa2::FwdParams&, cudaStream_t);
 using WorkspaceFn = int64_t (*)(const fa2::FwdParams&);
+using DecodeRunFn = cudaError_t (*)(const fa2::FwdParams&, void*, cudaStream_t);
 
 struct KernelEntry {
   int head_dim;
@@ -75,6 +76,8 @@ struct KernelEntry {
   RunFn run[2];                    // [causal]
   RunFn run_masked[2][2];          // [0: bool mask, 1: additive mask][causal]; null: not compiled
   WorkspaceFn masked_workspace[2]; // device bytes the masked forward needs, [bool, additive]
+  DecodeRunFn run_decode;          // split-KV for Sq <= kDecodeMaxSeqlenQ (every mask, causal/window)
+  WorkspaceFn decode_workspace;
 };
 
 // One entry per compiled (head dim, dtype); the rows come from csrc/kernel_table.py.
@@ -85,7 +88,8 @@ struct KernelEntry {
                 &fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kBool, true>},                        \
                {&fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kAdditive, false>, nullptr}},          \
               {&fa2::masked_workspace_bytes<D, fa2::DType::DT, fa2::MaskKind::kBool>,                        \
-               &fa2::masked_workspace_bytes<D, fa2::DType::DT, fa2::MaskKind::kAdditive>}},
+               &fa2::masked_workspace_bytes<D, fa2::DType::DT, fa2::MaskKind::kAdditive>},                   \
+              &fa2::run_decode<D, fa2::DType::DT>, &fa2::decode_workspace_bytes<D, fa2::DType::DT>},
 
 const std::vector<KernelEntry>& kernel_table() {
   static const std::vector<KernelEntry> table = {
@@ -260,21 +264,10 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   check_launch(fn, entry.run[is_causal ? 1 : 0](p, c10::cuda::getCurrentCUDAStream().stream()));
 }
 
-// Forward with an attention mask already expanded to [B, Hq, Sq, Sk] (zero strides on broadcast
-// dims; any non-negative strides). bool: True = attend; float32/bf16/fp16: additive. With is_causal
-// the causal (and window) positions are hidden too. The pre-pass writes into a workspace from the
-// caching allocator (stream-ordered, so CUDA-graph safe), then the masked kernel runs.
-void fwd_masked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-                double scale, const at::Tensor& mask, bool is_causal, int64_t window_left, double softcap,
-                const std::optional<at::Tensor>& sinks) {
-  constexpr const char* fn = "fa2_inductor._C.fwd_masked";
-  fa2::FwdParams p = describe_call(fn, q, k, v, out, lse, scale);
-  p.causal = is_causal;
-  p.window_left = check_window(fn, is_causal, window_left);
-  const at::Tensor sinks_f32 = set_softcap_and_sinks(fn, p, softcap, sinks);
-  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), Sk = k.size(2);
-  FA2_CHECK(Sk > 0, fn, ": needs at least one key");
-  FA2_CHECK(scale > 0, fn, ": scale must be positive");
+// A mask expanded to [B, Hq, Sq, Sk] (zero strides on broadcast dims, any non-negative strides) into p;
+// returns 0 for bool (True = attend), 1 for additive (float32/bf16/fp16).
+int describe_mask(const char* fn, fa2::FwdParams& p, const at::Tensor& mask, const at::Tensor& q) {
+  const int64_t B = p.batch, Hq = p.heads_q, Sq = p.seqlen_q, Sk = p.seqlen_k;
   FA2_CHECK(mask.is_cuda() && mask.device() == q.device(), fn, ": mask must be on q's device");
   FA2_CHECK(mask.dim() == 4 && mask.size(0) == B && mask.size(1) == Hq && mask.size(2) == Sq && mask.size(3) == Sk,
               fn, ": mask must be expanded to [B, Hq, Sq, Sk]");
@@ -288,18 +281,37 @@ void fwd_masked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
     default: FA2_CHECK(false, fn, ": mask dtype must be bool, float32, bfloat16 or float16, got ", mask.scalar_type());
   }
   static_assert(sizeof(bool) == 1, "bool masks are read as bytes");
-  const KernelEntry& entry = kernel_for(fn, q);
-  const RunFn run = entry.run_masked[kind][is_causal ? 1 : 0];
-  FA2_CHECK(run != nullptr, fn, ": no kernel compiled for ", mask.scalar_type(), " masks with is_causal");
-  if (B == 0 || Hq == 0 || Sq == 0) return;
-
-  c10::cuda::CUDAGuard guard(q.device());
   p.mask = mask.data_ptr();
   // Size-1 dims are never stepped over; zero strides make the kernel share one mask slice.
   p.mask_batch_stride = B == 1 ? 0 : mask.stride(0);
   p.mask_head_stride = Hq == 1 ? 0 : mask.stride(1);
   p.mask_row_stride = Sq == 1 ? 0 : mask.stride(2);
   p.mask_col_stride = Sk == 1 ? 0 : mask.stride(3);
+  return kind;
+}
+
+// Forward with an attention mask already expanded to [B, Hq, Sq, Sk] (zero strides on broadcast
+// dims; any non-negative strides). bool: True = attend; float32/bf16/fp16: additive. With is_causal
+// the causal (and window) positions are hidden too. The pre-pass writes into a workspace from the
+// caching allocator (stream-ordered, so CUDA-graph safe), then the masked kernel runs.
+void fwd_masked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+                double scale, const at::Tensor& mask, bool is_causal, int64_t window_left, double softcap,
+                const std::optional<at::Tensor>& sinks) {
+  constexpr const char* fn = "fa2_inductor._C.fwd_masked";
+  fa2::FwdParams p = describe_call(fn, q, k, v, out, lse, scale);
+  p.causal = is_causal;
+  p.window_left = check_window(fn, is_causal, window_left);
+  const at::Tensor sinks_f32 = set_softcap_and_sinks(fn, p, softcap, sinks);
+  FA2_CHECK(k.size(2) > 0, fn, ": needs at least one key");
+  FA2_CHECK(scale > 0, fn, ": scale must be positive");
+  const int kind = describe_mask(fn, p, mask, q);
+  const KernelEntry& entry = kernel_for(fn, q);
+  const RunFn run = entry.run_masked[kind][is_causal ? 1 : 0];
+  FA2_CHECK(run != nullptr, fn, ": no kernel compiled for ", mask.scalar_type(), " masks with is_causal");
+  const int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2);
+  if (B == 0 || Hq == 0 || Sq == 0) return;
+
+  c10::cuda::CUDAGuard guard(q.device());
   const int64_t class_batches = p.mask_batch_stride == 0 ? 1 : B;
   const int64_t class_heads = p.mask_head_stride == 0 ? 1 : Hq;
   const int64_t class_m_blocks = p.mask_row_stride == 0 ? 1 : (Sq + fa2::kMaskBlockM - 1) / fa2::kMaskBlockM;
@@ -308,6 +320,28 @@ void fwd_masked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
   at::Tensor workspace = at::empty({entry.masked_workspace[kind](p)}, q.options().dtype(at::kByte));
   p.mask_workspace = workspace.data_ptr();
   check_launch(fn, run(p, c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+// Forward of a call with few query rows (Sq <= kDecodeMaxSeqlenQ): the split-KV kernel, which takes every mask
+// (as fwd_masked), causal/window positions, softcap and sinks; its partial rows live in a workspace from the
+// caching allocator.
+void fwd_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+                double scale, const std::optional<at::Tensor>& mask, bool is_causal, int64_t window_left,
+                double softcap, const std::optional<at::Tensor>& sinks) {
+  constexpr const char* fn = "fa2_inductor._C.fwd_decode";
+  fa2::FwdParams p = describe_call(fn, q, k, v, out, lse, scale);
+  p.causal = is_causal;
+  p.window_left = check_window(fn, is_causal, window_left);
+  const at::Tensor sinks_f32 = set_softcap_and_sinks(fn, p, softcap, sinks);
+  FA2_CHECK(k.size(2) > 0, fn, ": needs at least one key");
+  FA2_CHECK(scale > 0, fn, ": scale must be positive");
+  FA2_CHECK(q.size(2) <= fa2::kDecodeMaxSeqlenQ, fn, ": at most ", fa2::kDecodeMaxSeqlenQ, " query rows");
+  if (mask.has_value()) describe_mask(fn, p, *mask, q);
+  const KernelEntry& entry = kernel_for(fn, q);
+  if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return;
+  c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor workspace = at::empty({entry.decode_workspace(p)}, q.options().dtype(at::kByte));
+  check_launch(fn, entry.run_decode(p, workspace.data_ptr(), c10::cuda::getCurrentCUDAStream().stream()));
 }
 
 // Rewrites the rows the forward left empty (lse = -inf) to the mean of V over all keys, or, given
@@ -503,7 +537,10 @@ Reason mask_reason(const TensorMeta& mask, const TensorMeta& q, const TensorMeta
   if (dtype != at::kBool && dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) {
     return "attn_mask dtype " + py_dtype(dtype) + " not supported by the kernel";
   }
-  if (is_causal && dtype != at::kBool && !additive_mask_with_causal()) return "additive attn_mask together with is_causal";
+  const bool decode = q.dim() == 4 && q.sizes[2] <= fa2::kDecodeMaxSeqlenQ;  // the decode kernel takes every mask
+  if (is_causal && dtype != at::kBool && !additive_mask_with_causal() && !decode) {
+    return "additive attn_mask together with is_causal";
+  }
   if (mask.device != q.device) return "attn_mask on another device";
   const char* no_broadcast = "attn_mask does not broadcast to [B, Hq, Sq, Sk]";
   if (mask.dim() > 4 || q.dim() != 4 || k.dim() != 4) return no_broadcast;
@@ -675,9 +712,12 @@ void forward(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, a
     q = q_in.neg();
     scale = -scale;
   }
-  if (mask.has_value()) {
-    fwd_masked(q, k, v, out, lse, scale, mask->expand({q.size(0), q.size(1), q.size(2), k.size(2)}), is_causal,
-               window_left, softcap, sinks);
+  const auto expanded_mask = [&] { return mask->expand({q.size(0), q.size(1), q.size(2), k.size(2)}); };
+  if (q.size(2) <= fa2::kDecodeMaxSeqlenQ) {
+    fwd_decode(q, k, v, out, lse, scale, mask.has_value() ? std::optional<at::Tensor>(expanded_mask()) : std::nullopt,
+               is_causal, window_left, softcap, sinks);
+  } else if (mask.has_value()) {
+    fwd_masked(q, k, v, out, lse, scale, expanded_mask(), is_causal, window_left, softcap, sinks);
   } else {
     fwd(q, k, v, out, lse, scale, is_causal, window_left, std::nullopt, softcap, sinks);
   }
@@ -717,7 +757,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_cuda(const at::Tensor& q,
 
 // Raised whenever a binding's arguments change, so that a build from older sources is refused at import
 // (fa2_inductor/_extension.py INTERFACE_VERSION) instead of failing at its first call.
-constexpr int64_t kInterfaceVersion = 2;
+constexpr int64_t kInterfaceVersion = 3;
 
 std::vector<std::tuple<int64_t, std::string>> compiled_kernels() {
   std::vector<std::tuple<int64_t, std::string>> result;
@@ -733,6 +773,7 @@ std::map<std::string, int64_t> limits() {
       {"max_seqlen", kMaxSeqLen},
       {"stride_align_elements", fa2::kStrideAlignElements},
       {"mask_block_m", fa2::kMaskBlockM},
+      {"decode_max_seqlen_q", fa2::kDecodeMaxSeqlenQ},
       {"additive_mask_with_causal", additive_mask_with_causal() ? 1 : 0},
   };
 }
@@ -912,6 +953,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Masked attention forward (mask expanded to [B,Hq,Sq,Sk]: bool = attend, or additive float32/bf16/fp16)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"), py::arg("mask"),
         py::arg("is_causal"), py::arg("window_left"), py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
+  m.def("fwd_decode", &fwd_decode,
+        "Split-KV forward for at most 16 query rows (optional mask expanded to [B,Hq,Sq,Sk] as fwd_masked takes it)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
+        py::arg("mask") = py::none(), py::arg("is_causal") = false, py::arg("window_left") = -1,
+        py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
   m.def("fill_empty_rows", &fill_empty_rows, "Rows with lse = -inf get the mean of V over all keys, or source's rows when given",
         py::arg("out"), py::arg("lse"), py::arg("v"), py::arg("source") = py::none());
   m.def("forward", &forward,

@@ -12,6 +12,7 @@ DTYPES = {"bf16": "kBF16", "fp16": "kFP16"}
 
 FORWARD = "../fa2/launch.hpp"
 BACKWARD = "../fa2/bwd_launch.hpp"
+DECODE = "../fa2/decode.hpp"
 # Unit name -> (what it is, the header its instantiations need, its explicit instantiations).
 VARIANTS = {
     "fwd_plain": ("forward, no mask", FORWARD, ["FA2_INSTANTIATE_FWD({d}, {t}, false)"]),
@@ -24,6 +25,8 @@ VARIANTS = {
     "fwd_maskadd": ("forward, additive float mask with its pre-pass", FORWARD,
                     ["FA2_INSTANTIATE_FWD_MASKED({d}, {t}, kAdditive, false)",
                      "FA2_INSTANTIATE_MASK_WORKSPACE({d}, {t}, kAdditive)"]),
+    "fwd_decode": ("forward, split-KV for few query rows (every mask, causal/window)", DECODE,
+                   ["FA2_INSTANTIATE_DECODE({d}, {t})"]),
     "bwd_plain": ("backward, no mask", BACKWARD, ["FA2_INSTANTIATE_BWD({d}, {t}, false, kNone)"]),
     "bwd_causal": ("backward, causal (top-left)", BACKWARD, ["FA2_INSTANTIATE_BWD({d}, {t}, true, kNone)"]),
     "bwd_maskbool": ("backward, boolean mask", BACKWARD, ["FA2_INSTANTIATE_BWD({d}, {t}, false, kBool)"]),

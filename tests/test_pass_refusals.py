@@ -184,15 +184,18 @@ def _decode_hand_written(q, k, v):
     return _scores(q, k).softmax(-1) @ v
 
 
-SEQ_K = support.MIN_KEYS_WITH_MASK  # long enough that only the decode rule speaks
-DECODE_CASES = [(1, "refused"), (support.DECODE_MAX_QUERY_ROWS, "refused"), (support.DECODE_MAX_QUERY_ROWS + 1, "rewritten")]
+SEQ_K = support.MIN_KEYS_WITH_MASK  # long enough for the short-sequence rule, too short for a decode step
+ROWS, KEYS = support.DECODE_MAX_QUERY_ROWS, support.DECODE_MIN_KEYS
+DECODE_CASES = [(1, KEYS - 1, "refused"), (1, KEYS, "rewritten"), (ROWS, KEYS - 1, "refused"), (ROWS, KEYS, "rewritten"),
+                (ROWS + 1, SEQ_K, "rewritten")]
 
 
-@pytest.mark.parametrize("seq_q, verdict", DECODE_CASES, ids=[f"sq{s}" for s, _ in DECODE_CASES])
+@pytest.mark.parametrize("seq_q, seq_k, verdict", DECODE_CASES, ids=[f"sq{q}-sk{k}" for q, k, _ in DECODE_CASES])
 @pytest.mark.parametrize("fn", [_decode_sdpa, _decode_hand_written], ids=["sdpa", "hand_written"])
 @pytest.mark.parametrize("batch", [1, 2], ids=["b1", "b2"])  # b1 sq1: the bmm's batch and row dims both have size 1
-def test_decode_steps_stay_with_inductor_on_cuda(cuda_rules, fn, seq_q, verdict, batch):
-    q, k, v = qkv(batch=batch, seq_q=seq_q, seq_k=SEQ_K)
+def test_short_decode_steps_stay_with_inductor_on_cuda(cuda_rules, fn, seq_q, seq_k, verdict, batch):
+    """Up to 16 query rows the decode kernel takes the site from DECODE_MIN_KEYS keys on."""
+    q, k, v = qkv(batch=batch, seq_q=seq_q, seq_k=seq_k)
     compile_and_compare(fn, q, k, v, rewrites=int(verdict == "rewritten"))
     counts = pass_counts()
     assert counts.get("refused:decode_step", 0) == int(verdict == "refused"), counts
@@ -212,7 +215,8 @@ def test_decode_rule_reads_the_size_hint_of_a_symbolic_sq(cuda_rules, seq_q, ver
 
 def test_decode_refusal_is_explained(cuda_rules):
     text = str(fa2_inductor.explain(_decode_sdpa, *qkv(seq_q=1, seq_k=SEQ_K)))
-    assert "refused: decode_step (Sq=1 query rows: the kernel's 128-row tile and no split-KV" in text, text
+    assert (f"refused: decode_step (Sq=1 query rows against Sk={SEQ_K} keys: below {KEYS} keys the decode kernel's "
+            "fixed cost") in text, text
 
 
 def _key_padded_sdpa(q, k, v):

@@ -13,6 +13,7 @@ constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGridDim = 65535;       // batch, heads, query tiles and mask class slices per launch
 constexpr int kStrideAlignElements = 8;  // TMA: strides of 16 bytes' multiples (16-bit elements)
 constexpr int kMaskBlockM = 128;         // query rows per tile of every masked kernel
+constexpr int kDecodeMaxSeqlenQ = 16;    // calls with at most this many query rows run the split-KV decode kernel
 
 // Attention mask policy of a kernel instantiation (compile time). kNone: no mask tensor (the
 // original kernels). kBool: True = attend, read as bytes. kAdditive: added to the scaled scores
@@ -70,6 +71,13 @@ cudaError_t run_fwd_masked(const FwdParams& params, cudaStream_t stream);
 // Device workspace the masked forward needs for these params (sizes and mask strides set).
 template <int HeadDim, DType Dt, MaskKind Kind>
 int64_t masked_workspace_bytes(const FwdParams& params);
+
+// Split-KV forward for Sq <= kDecodeMaxSeqlenQ (every mask, causal/window, softcap and sinks in one kernel):
+// partial rows per key split into workspace (decode_workspace_bytes(params) bytes), then their combination.
+template <int HeadDim, DType Dt>
+cudaError_t run_decode(const FwdParams& params, void* workspace, cudaStream_t stream);
+template <int HeadDim, DType Dt>
+int64_t decode_workspace_bytes(const FwdParams& params);
 
 // Rows left empty (LSE = -inf) get the mean of V over all keys, or (source set) that row of source.
 struct EmptyRowsParams {

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from .backward import backward_rows
+from .decode import decode_rows
 from .cases import CAUSAL_CHOICES, DTYPES, PAPER_HIDDEN, PAPER_TOKENS, sweep_cells
 from .implementations import DEFAULT_IMPLS, IMPLEMENTATIONS, TOLERANCES
 from .masks import mask_rows
@@ -108,6 +109,11 @@ def _parser() -> argparse.ArgumentParser:
         "the plain kernel and FlexAttention's soft-capping; writes --json",
     )
     parser.add_argument(
+        "--decode", action="store_true",
+        help="only the decode-step rows (Sq=1, GQA 32/8, d128, bf16, contexts 512-32k, batches 1-32, dynamic and "
+        "static KV cache): microseconds per call of the op and every SDPA backend; writes --json",
+    )
+    parser.add_argument(
         "--backward", action="store_true",
         help="training rows instead: forward+backward and backward alone of fa2_inductor, sdpa_flash and "
         "sdpa_cudnn on the sweep's cells (gradients checked first); writes --json and two plots beside --plot",
@@ -182,7 +188,7 @@ def replot(json_path: Path, plot_path: Path) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit status 1 when any implementation was WRONG or failed, so a script running the sweep notices."""
     args = parse_args(argv)
-    modes = [flag for flag in ("masks", "sites", "backward", "score_mods") if getattr(args, flag)]
+    modes = [flag for flag in ("masks", "sites", "backward", "score_mods", "decode") if getattr(args, flag)]
     if args.replot is None and (modes or torch.device(args.device).type == "cuda"):
         mode = "".join(f" --{flag.replace('_', '-')}" for flag in modes)
         exit_without_cuda(f"python -m fa2_inductor.bench{mode}", f"python -m fa2_inductor.bench {CPU_SMOKE_FLAGS}")
@@ -198,6 +204,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return backward_rows(args)
     if args.score_mods:
         return score_mod_rows(args)
+    if args.decode:
+        return decode_rows(args)
     if args.replot is not None:
         replot(args.replot, args.plot)
         return 0

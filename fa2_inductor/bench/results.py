@@ -222,6 +222,26 @@ def _score_mods(doc: dict, source: str) -> list[str]:
                            "vs Flex"], rows)
 
 
+# ---------------------------------------------------------------- python -m fa2_inductor.bench --decode
+
+
+def _decode(doc: dict, source: str) -> list[str]:
+    rows = doc["decode_rows"]
+    impls = list(dict.fromkeys(name for r in rows for name in r["us"]))
+    ratios = [r["speedup_vs_best"] for r in rows if r["speedup_vs_best"]]
+    lines = ["## Decode steps (`python -m fa2_inductor.bench --decode`)", "", measured_on(doc["environment"], source), "",
+             "One decode step's attention (Sq 1, Hq/Hkv 32/8, head dim 128, bf16): microseconds per call; dynamic: "
+             "the cache holds the context; static: a larger cache with the unfilled slots masked (bool mask). "
+             "Best peer / ours above 1: ours faster. GB/s: the filled K/V bytes over our time.", ""]
+    if ratios:
+        lines += [f"- best peer / ours: {min(ratios):.2f}–{max(ratios):.2f}×", ""]
+    table = [[r["form"], r["context"], r["batch"], *(_number(r["us"].get(name)) for name in impls),
+              f"{_number(r['speedup_vs_best'], 2)} ({r['best_peer']})" if r["speedup_vs_best"] else "–",
+              _number(r["ours_gbps"], 0)] for r in rows]
+    return lines + _table(["cache", "context", "batch", *(f"{name} µs" for name in impls), "best peer / ours",
+                           "ours GB/s"], table)
+
+
 # ---------------------------------------------------------------- scripts/hopper_check.sh
 
 
@@ -262,6 +282,7 @@ _KINDS: list[tuple[Callable[[dict], bool], Callable[[dict, str], list[str]]]] = 
     (lambda doc: "ratios" in doc and "entries" in doc, _zoo),
     (lambda doc: "backward" in doc, _backward),
     (lambda doc: "score_mod_rows" in doc, _score_mods),
+    (lambda doc: "decode_rows" in doc, _decode),
     (lambda doc: "rows" in doc and "shape" in doc, _overhead),
     (lambda doc: "rows" in doc and "transformers" in doc, _coverage),
 ]

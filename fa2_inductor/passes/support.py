@@ -17,8 +17,11 @@ from .site import AttentionSite
 # Dtypes the pass hands to the op on any device (float64 is the CPU reference's, for gradcheck only);
 # whether the kernel runs a dtype is the device rule's question.
 _OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Decode steps stay with Inductor on CUDA: 128 query rows per CTA and no split-KV idle >= 87% of each tile at Sq <= 16.
-DECODE_MAX_QUERY_ROWS = 16
+# Decode steps (at most this many query rows) run the split-KV decode kernel; below DECODE_MIN_KEYS keys its two
+# launches cost more than they save and the site stays with Inductor. Measured with
+# ``python -m fa2_inductor.bench --decode`` (H200, bf16, GQA 32/8, d128).
+DECODE_MAX_QUERY_ROWS = 16  # the kernel's dispatch limit, _C.limits()["decode_max_seqlen_q"]
+DECODE_MIN_KEYS = 512
 # Short sequences stay with Inductor on CUDA: below these key counts the op's fixed cost per call (its
 # launches: a mask's pre-pass, the empty-row passes) outweighs what its kernel saves. Measured with
 # ``python -m fa2_inductor.bench --sites`` (H200, bf16, GPU time per call against SDPA with Hugging Face's
@@ -81,8 +84,10 @@ def _cuda_refusal(call: OpCall) -> Optional[Refused]:
         return Refused(Refusal.KERNEL_UNSUPPORTED, reason)
     seq_q, seq_k = _hint(call.q.shape[-2]), _hint(call.k.shape[-2])
     if seq_q <= DECODE_MAX_QUERY_ROWS:
-        return Refused(Refusal.DECODE_STEP, f"Sq={seq_q} query rows: the kernel's 128-row tile and no split-KV "
-                                            "make it slower than Inductor here")
+        if seq_k < DECODE_MIN_KEYS:
+            return Refused(Refusal.DECODE_STEP, f"Sq={seq_q} query rows against Sk={seq_k} keys: below "
+                                                f"{DECODE_MIN_KEYS} keys the decode kernel's fixed cost makes it slower")
+        return None
     min_keys = MIN_KEYS if call.mask is None else MIN_KEYS_WITH_MASK
     if seq_k < min_keys:
         return Refused(Refusal.SHORT_SEQUENCE, f"Sk={seq_k} keys{' with a mask' if call.mask is not None else ''}: "

@@ -1,0 +1,583 @@
+// Split-KV forward for few query rows (decode steps: Sq <= kDecodeMaxSeqlenQ).
+//
+// The 128-row tiles of the main kernel waste almost all of their work on a 1-row query, and one CTA per
+// (query tile, head) leaves most SMs idle while it walks a long cache. Here:
+// - the query rows of one GQA group (its Hq/Hkv heads x Sq rows) are packed into 16-row tiles, so K/V are
+//   read once per group rather than once per query head;
+// - the keys are split across CTAs (grid: row tiles x (batch, KV head) x splits), each writing a float32
+//   partial output normalised by its own row sums, and its LSE; a second kernel combines the splits with
+//   their LSEs (and a sink, if any) into out and lse;
+// - inside a CTA the 4 warps take 16 keys each of a 64-key block (D = 256: two warps per 16 keys, half of
+//   the columns each, 32-key blocks; mma.sync m16n8k16, operands from shared memory through ldmatrix; K/V
+//   blocks double-buffered with cp.async), then merge their rows in shared memory;
+// - before its loop a CTA finds which of its key blocks any of its rows sees (mask, causal/window, Sk)
+//   and only loads those: the unfilled slots of a static KV cache (masked keys) cost a mask read, not a
+//   K/V read.
+// Decode is bound by K/V bandwidth, so the warp-level MMAs (not WGMMA) cost nothing that shows.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "params.h"
+
+namespace fa2 {
+namespace decode {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kRows = 16;                    // packed query rows per CTA (one m16 tile)
+constexpr int kStages = 2;                   // K/V blocks in flight per CTA
+constexpr int kMaxBlocksPerSplit = 64;       // a split's visible-block set is one 64-bit word
+constexpr int kCombineRowsPerCta = 4;        // one warp per output row
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// The warps split a block's keys 16 each. At D = 256 two warps share a key group and take half of the
+// output columns each: a 16 x 256 float accumulator does not fit one warp's registers.
+template <int HeadDim>
+struct Config {
+  static constexpr int kColSplit = HeadDim > 128 ? 2 : 1;
+  static constexpr int kKeyGroups = kWarps / kColSplit;
+  static constexpr int kBlockN = 16 * kKeyGroups;    // keys per block
+  static constexpr int kCols = HeadDim / kColSplit;  // output columns per warp
+};
+
+template <DType Dt>
+struct Element;
+template <>
+struct Element<DType::kBF16> {
+  using T = __nv_bfloat16;
+  static __device__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ T from_float(float x) { return __float2bfloat16_rn(x); }
+};
+template <>
+struct Element<DType::kFP16> {
+  using T = __half;
+  static __device__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ T from_float(float x) { return __float2half_rn(x); }
+};
+
+// c += a (16x16, row) . b (16x8, col), float32 accumulators.
+template <DType Dt>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (Dt == DType::kBF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// 16 bytes from global to shared memory; zeros when !valid (src stays a valid address, nothing is read).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// How the keys of one call are split across CTAs, and where the partial results live.
+struct Plan {
+  int groups = 1;            // query heads per KV head
+  int row_tiles = 1;         // 16-row tiles per (batch, KV head)
+  int num_blocks = 0;        // blocks of Config::kBlockN keys
+  int splits = 1;
+  int blocks_per_split = 1;
+  int64_t partial_rows = 0;  // B * Hq * Sq
+  int64_t workspace_bytes = 0;
+};
+
+struct Args {
+  FwdParams p;
+  Plan plan;
+  float* o_partial;     // [splits, B * Hq * Sq, head_dim]
+  float* lse_partial;   // [splits, B * Hq * Sq], natural log
+  float scale_log2;     // scale * log2(e)
+  float softcap_in;     // raw score -> tanh argument (scale / softcap); 0: no soft-capping
+  float softcap_out;    // tanh -> raw-score units (softcap / scale)
+};
+
+// Shared memory: the query tile and the K/V stages; at the end the stages hold each warp's rows.
+template <int HeadDim, DType Dt>
+struct Smem {
+  using T = typename Element<Dt>::T;
+  static constexpr int kPitch = HeadDim + 8;  // elements per row: 16-byte shift per row, no ldmatrix bank conflicts
+  static constexpr int kStageElems = 2 * Config<HeadDim>::kBlockN * kPitch;  // K then V
+  static constexpr int kBytes = (kRows * kPitch + kStages * kStageElems) * int(sizeof(T));
+  static_assert(kStages * kStageElems * int(sizeof(T)) >=
+                    Config<HeadDim>::kKeyGroups * kRows * HeadDim * int(sizeof(float)),
+                "the key groups' partial rows must fit in the K/V stages");
+};
+
+// Whether packed row r (within the tile) at key j is visible, and its additive term (log2 units).
+struct RowView {
+  bool real;          // a row of the call (the tile's last rows may be padding)
+  int i;              // query position
+  const char* mask;   // the row's mask base (byte address), or null
+};
+
+__device__ __forceinline__ float read_mask(const FwdParams& p, const char* row, int j, bool& visible) {
+  const char* at = row + int64_t(j) * p.mask_col_stride * (p.mask_dtype == MaskDType::kBool ? 1 :
+                                                           p.mask_dtype == MaskDType::kF32 ? 4 : 2);
+  switch (p.mask_dtype) {
+    case MaskDType::kBool: visible = *reinterpret_cast<const uint8_t*>(at) != 0; return 0.f;
+    case MaskDType::kF32: {
+      const float m = *reinterpret_cast<const float*>(at);
+      visible = m != -INFINITY;
+      return m * kLog2e;
+    }
+    case MaskDType::kBF16: {
+      const float m = __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(at));
+      visible = m != -INFINITY;
+      return m * kLog2e;
+    }
+    default: {
+      const float m = __half2float(*reinterpret_cast<const __half*>(at));
+      visible = m != -INFINITY;
+      return m * kLog2e;
+    }
+  }
+}
+
+// Visibility of (row, key) from everything but the mask.
+__device__ __forceinline__ bool position_visible(const FwdParams& p, const RowView& row, int j) {
+  if (!row.real || j >= p.seqlen_k) return false;
+  if (p.causal && j > row.i) return false;
+  if (p.window_left >= 0 && j < row.i - p.window_left) return false;
+  return true;
+}
+
+template <int HeadDim, DType Dt>
+__global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args) {
+  using S = Smem<HeadDim, Dt>;
+  using C = Config<HeadDim>;
+  using T = typename S::T;
+  constexpr int kBlockN = C::kBlockN;
+  constexpr int kPitch = S::kPitch;
+  constexpr int kChunks = HeadDim / 8;  // 16-byte chunks per row
+  const FwdParams& p = args.p;
+  const Plan& plan = args.plan;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* q_smem = reinterpret_cast<T*>(smem_raw);
+  T* stage_smem = q_smem + kRows * kPitch;
+  __shared__ unsigned long long visible_blocks;
+  __shared__ float group_max[C::kKeyGroups][kRows], group_sum[C::kKeyGroups][kRows];
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int group = warp / C::kColSplit, col0 = (warp % C::kColSplit) * C::kCols;  // keys group*16.., columns col0..
+  const int tile = blockIdx.x % plan.row_tiles;
+  const int bh = blockIdx.x / plan.row_tiles;  // batch * Hkv + kv head
+  const int batch = bh / p.heads_kv, kv_head = bh % p.heads_kv;
+  const int split = blockIdx.y;
+  const int rows_total = plan.groups * p.seqlen_q;  // packed rows of this (batch, KV head)
+
+  // Row r of the tile: packed index tile*16 + r = g * Sq + i (query head kv_head * groups + g).
+  auto row_view = [&](int r) {
+    RowView v{false, 0, nullptr};
+    const int packed = tile * kRows + r;
+    if (packed < rows_total) {
+      v.real = true;
+      v.i = packed % p.seqlen_q;
+      const int head = kv_head * plan.groups + packed / p.seqlen_q;
+      if (p.mask != nullptr) {
+        const int elem = p.mask_dtype == MaskDType::kBool ? 1 : p.mask_dtype == MaskDType::kF32 ? 4 : 2;
+        v.mask = static_cast<const char*>(p.mask) +
+                 (batch * p.mask_batch_stride + head * p.mask_head_stride + int64_t(v.i) * p.mask_row_stride) * elem;
+      }
+    }
+    return v;
+  };
+  auto q_row_ptr = [&](int r) {
+    const int packed = tile * kRows + r;
+    const int head = kv_head * plan.groups + packed / p.seqlen_q;
+    return static_cast<const T*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
+           int64_t(packed % p.seqlen_q) * p.q_row_stride;
+  };
+
+  const int first_block = split * plan.blocks_per_split;
+  const int num_blocks = min(plan.blocks_per_split, plan.num_blocks - first_block);
+
+  // 1. The blocks of this split that some row of the tile sees.
+  if (tid == 0) visible_blocks = 0ull;
+  __syncthreads();
+  {
+    unsigned long long mine = 0ull;
+    if (p.mask != nullptr) {
+      const int keys = num_blocks * kBlockN, rows_here = min(kRows, rows_total - tile * kRows);
+      for (int idx = tid; idx < rows_here * keys; idx += kThreads) {
+        const int r = idx / keys, local = idx % keys, j = first_block * kBlockN + local;
+        const RowView row = row_view(r);
+        bool visible = position_visible(p, row, j);
+        if (visible) read_mask(p, row.mask, j, visible);
+        if (visible) mine |= 1ull << (local / kBlockN);
+      }
+    } else if (tid < num_blocks) {
+      for (int r = 0; r < kRows; ++r) {  // a block is seen if a row sees its first or last key in range
+        const RowView row = row_view(r);
+        const int j0 = (first_block + tid) * kBlockN, j1 = min(j0 + kBlockN, p.seqlen_k) - 1;
+        const int lo = p.window_left >= 0 ? max(j0, row.i - p.window_left) : j0;
+        const int hi = p.causal ? min(j1, row.i) : j1;
+        if (row.real && lo <= hi) mine |= 1ull << tid;
+      }
+    }
+    if (mine) atomicOr(&visible_blocks, mine);
+  }
+
+  // 2. The query tile into shared memory (padding rows and columns as zeros).
+  for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, c = idx % kChunks;
+    const bool valid = tile * kRows + r < rows_total && c * 8 < p.head_dim;
+    cp_async_16(smem_address(q_smem + r * kPitch + c * 8), valid ? q_row_ptr(r) + c * 8 : p.q, valid);
+  }
+  cp_async_commit();
+  __syncthreads();
+  unsigned long long todo = visible_blocks;
+
+  auto load_block = [&](int stage, int block) {
+    T* k_dst = stage_smem + stage * S::kStageElems;
+    T* v_dst = k_dst + kBlockN * kPitch;
+    const int j0 = (first_block + block) * kBlockN;
+    const T* k_base = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
+    const T* v_base = static_cast<const T*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+    for (int idx = tid; idx < kBlockN * kChunks; idx += kThreads) {
+      const int n = idx / kChunks, c = idx % kChunks, j = j0 + n;
+      const bool valid = j < p.seqlen_k && c * 8 < p.head_dim;
+      cp_async_16(smem_address(k_dst + n * kPitch + c * 8), valid ? k_base + int64_t(j) * p.k_row_stride + c * 8 : p.k,
+                  valid);
+      cp_async_16(smem_address(v_dst + n * kPitch + c * 8), valid ? v_base + int64_t(j) * p.v_row_stride + c * 8 : p.v,
+                  valid);
+    }
+  };
+  auto next_block = [&]() {
+    if (todo == 0ull) return -1;
+    const int b = __ffsll(static_cast<long long>(todo)) - 1;
+    todo &= todo - 1;
+    return b;
+  };
+
+  // The blocks in the two stages, in visiting order (the stage of iteration it is it % 2).
+  static_assert(kStages == 2, "the loop below keeps one block per stage in two registers");
+  int block = next_block(), queued = -1;
+  if (block >= 0) load_block(0, block);
+  cp_async_commit();
+  queued = next_block();
+  if (queued >= 0) load_block(1, queued);
+  cp_async_commit();
+
+  // 3. Online softmax over the visible blocks. Thread (lane) holds rows qr and qr + 8 of the tile,
+  // columns 2 * qc, 2 * qc + 1 of each 8-wide MMA tile.
+  const int qr = lane / 4, qc = lane % 4;
+  const RowView rows[2] = {row_view(qr), row_view(qr + 8)};
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  float acc[C::kCols / 8][4];
+#pragma unroll
+  for (int n = 0; n < C::kCols / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+
+  for (int stage = 0; block >= 0; stage ^= 1) {
+    cp_async_wait<kStages - 1>();
+    __syncthreads();
+    const T* k_smem = stage_smem + stage * S::kStageElems;
+    const T* v_smem = k_smem + kBlockN * kPitch;
+
+    // Visibility and mask terms first: their loads are in flight while the MMAs run.
+    const int key0 = (first_block + block) * kBlockN + group * 16;
+    bool visible[2][4];
+    float bias[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int h = c / 2, j = key0 + n * 8 + 2 * qc + (c % 2);
+        visible[n][c] = position_visible(p, rows[h], j);
+        bias[n][c] = visible[n][c] && rows[h].mask != nullptr ? read_mask(p, rows[h].mask, j, visible[n][c]) : 0.f;
+      }
+    }
+
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < HeadDim / 16; ++kk) {
+      uint32_t a[4], b[4];
+      ldmatrix_x4(a, smem_address(q_smem + (lane % 16) * kPitch + kk * 16 + (lane / 16) * 8));
+      const int m = lane / 8;
+      ldmatrix_x4(b, smem_address(k_smem + (group * 16 + (m / 2) * 8 + lane % 8) * kPitch + kk * 16 + (m % 2) * 8));
+      mma_16816<Dt>(s[0], a, b[0], b[1]);
+      mma_16816<Dt>(s[1], a, b[2], b[3]);
+    }
+
+    float block_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float x = s[n][c];
+        if (args.softcap_in > 0.f) x = args.softcap_out * tanh_approx(x * args.softcap_in);
+        s[n][c] = visible[n][c] ? x * args.scale_log2 + bias[n][c] : -INFINITY;
+        block_max[c / 2] = fmaxf(block_max[c / 2], s[n][c]);
+      }
+    }
+    float correction[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      block_max[h] = fmaxf(block_max[h], __shfl_xor_sync(0xffffffffu, block_max[h], 1));
+      block_max[h] = fmaxf(block_max[h], __shfl_xor_sync(0xffffffffu, block_max[h], 2));
+      const float new_max = fmaxf(row_max[h], block_max[h]);
+      const float base = new_max == -INFINITY ? 0.f : new_max;  // a row with nothing visible yet stays at 0
+      correction[h] = exp2f(row_max[h] - base);
+      row_max[h] = new_max;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        s[n][2 * h] = exp2f(s[n][2 * h] - base);
+        s[n][2 * h + 1] = exp2f(s[n][2 * h + 1] - base);
+        row_sum[h] = row_sum[h] * (n == 0 ? correction[h] : 1.f) + s[n][2 * h] + s[n][2 * h + 1];
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < C::kCols / 8; ++n) {
+      acc[n][0] *= correction[0], acc[n][1] *= correction[0];
+      acc[n][2] *= correction[1], acc[n][3] *= correction[1];
+    }
+    using E = Element<Dt>;
+    const uint32_t probs[4] = {E::pack(s[0][0], s[0][1]), E::pack(s[0][2], s[0][3]), E::pack(s[1][0], s[1][1]),
+                               E::pack(s[1][2], s[1][3])};
+#pragma unroll
+    for (int dd = 0; dd < C::kCols / 16; ++dd) {
+      uint32_t b[4];
+      const int m = lane / 8;
+      ldmatrix_x4_trans(b, smem_address(v_smem + (group * 16 + (m % 2) * 8 + lane % 8) * kPitch + col0 + dd * 16 +
+                                        (m / 2) * 8));
+      mma_16816<Dt>(acc[2 * dd], probs, b[0], b[1]);
+      mma_16816<Dt>(acc[2 * dd + 1], probs, b[2], b[3]);
+    }
+    __syncthreads();
+    const int fresh = next_block();
+    if (fresh >= 0) load_block(stage, fresh);
+    cp_async_commit();
+    block = queued;
+    queued = fresh;
+  }
+  cp_async_wait<0>();
+
+  // 4. Merge the key groups' rows: each group's share scaled to the tile's max, summed in a fixed order.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
+    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
+    if (qc == 0 && col0 == 0) {
+      group_max[group][qr + 8 * h] = row_max[h];
+      group_sum[group][qr + 8 * h] = row_sum[h];
+    }
+  }
+  __syncthreads();
+  float* partial = reinterpret_cast<float*>(stage_smem);  // [kKeyGroups][kRows][HeadDim]
+  float tile_max[2], tile_sum[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = qr + 8 * h;
+    tile_max[h] = -INFINITY;
+    for (int g = 0; g < C::kKeyGroups; ++g) tile_max[h] = fmaxf(tile_max[h], group_max[g][r]);
+    const float base = tile_max[h] == -INFINITY ? 0.f : tile_max[h];
+    tile_sum[h] = 0.f;
+    for (int g = 0; g < C::kKeyGroups; ++g) tile_sum[h] += group_sum[g][r] * exp2f(group_max[g][r] - base);
+    const float factor = tile_sum[h] > 0.f ? exp2f(row_max[h] - base) / tile_sum[h] : 0.f;
+#pragma unroll
+    for (int n = 0; n < C::kCols / 8; ++n) {
+      float* out = partial + (group * kRows + r) * HeadDim + col0 + n * 8 + 2 * qc;
+      out[0] = acc[n][2 * h] * factor;
+      out[1] = acc[n][2 * h + 1] * factor;
+    }
+    if (warp == 0 && qc == 0 && rows[h].real) {
+      const int packed = tile * kRows + r;
+      const int head = kv_head * plan.groups + packed / p.seqlen_q;
+      const int64_t row_index = (int64_t(batch) * p.heads_q + head) * p.seqlen_q + packed % p.seqlen_q;
+      args.lse_partial[split * plan.partial_rows + row_index] =
+          tile_sum[h] > 0.f ? (tile_max[h] + log2f(tile_sum[h])) * kLn2 : -INFINITY;
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < kRows * p.head_dim; idx += kThreads) {
+    const int r = idx / p.head_dim, d = idx % p.head_dim;
+    const int packed = tile * kRows + r;
+    if (packed >= rows_total) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int g = 0; g < C::kKeyGroups; ++g) sum += partial[(g * kRows + r) * HeadDim + d];
+    const int head = kv_head * plan.groups + packed / p.seqlen_q;
+    const int64_t row_index = (int64_t(batch) * p.heads_q + head) * p.seqlen_q + packed % p.seqlen_q;
+    args.o_partial[(split * plan.partial_rows + row_index) * p.head_dim + d] = sum;
+  }
+}
+
+// out and lse from the splits' partial rows: weights exp(lse_s - max), then the sink (if any) joins the row.
+template <DType Dt>
+__global__ void __launch_bounds__(32 * kCombineRowsPerCta) decode_combine_kernel(const Args args) {
+  using T = typename Element<Dt>::T;
+  const FwdParams& p = args.p;
+  const Plan& plan = args.plan;
+  const int64_t row = int64_t(blockIdx.x) * kCombineRowsPerCta + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= plan.partial_rows) return;
+  const int i = int(row % p.seqlen_q);
+  const int head = int((row / p.seqlen_q) % p.heads_q);
+  const int batch = int(row / (int64_t(p.seqlen_q) * p.heads_q));
+
+  float top = -INFINITY;
+  for (int s = 0; s < plan.splits; ++s) top = fmaxf(top, args.lse_partial[s * plan.partial_rows + row]);
+  float total = 0.f;
+  if (top != -INFINITY) {
+    for (int s = 0; s < plan.splits; ++s) total += expf(args.lse_partial[s * plan.partial_rows + row] - top);
+  }
+  float lse = total > 0.f ? top + logf(total) : -INFINITY;
+  float out_scale = total > 0.f ? 1.f / total : 0.f;
+  if (p.sinks != nullptr) {  // the sink joins the denominator: lse' = logaddexp(lse, sink), out * exp(lse - lse')
+    const float sink = p.sinks[head];
+    const float joined = lse == -INFINITY ? sink : fmaxf(lse, sink) + log1pf(expf(-fabsf(lse - sink)));
+    out_scale *= lse == -INFINITY ? 0.f : expf(lse - joined);
+    lse = joined;
+  }
+  T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride + int64_t(i) * p.o_row_stride;
+  for (int d = lane; d < p.head_dim; d += 32) {
+    float value = 0.f;
+    if (total > 0.f) {
+      for (int s = 0; s < plan.splits; ++s) {
+        const float w = expf(args.lse_partial[s * plan.partial_rows + row] - top);
+        value += w * args.o_partial[(s * plan.partial_rows + row) * p.head_dim + d];
+      }
+    }
+    out[d] = Element<Dt>::from_float(value * out_scale);
+  }
+  if (lane == 0) p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + i] = lse;
+}
+
+// The SMs of the current device (asked once per device).
+inline int sm_count() {
+  static int counts[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 132;
+  if (counts[device] == 0) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+    counts[device] = n > 0 ? n : 132;
+  }
+  return counts[device];
+}
+
+// Enough CTAs for two per SM, never fewer keys per split than a block, never more blocks than a word holds.
+template <int HeadDim>
+Plan make_plan(const FwdParams& p) {
+  constexpr int kBlockN = Config<HeadDim>::kBlockN;
+  Plan plan;
+  plan.groups = p.heads_q / p.heads_kv;
+  plan.row_tiles = (plan.groups * p.seqlen_q + kRows - 1) / kRows;
+  plan.num_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+  const int64_t ctas = int64_t(p.batch) * p.heads_kv * plan.row_tiles;
+  const int64_t wanted = (2 * int64_t(sm_count()) + ctas - 1) / ctas;
+  int64_t splits = std::min<int64_t>(std::max<int64_t>(wanted, 1), plan.num_blocks);
+  splits = std::max<int64_t>(splits, (plan.num_blocks + kMaxBlocksPerSplit - 1) / kMaxBlocksPerSplit);
+  plan.blocks_per_split = int((plan.num_blocks + splits - 1) / splits);
+  plan.splits = int((plan.num_blocks + plan.blocks_per_split - 1) / plan.blocks_per_split);
+  plan.partial_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  const int64_t floats = int64_t(plan.splits) * plan.partial_rows * (p.head_dim + 1);
+  plan.workspace_bytes = (floats * int64_t(sizeof(float)) + 255) / 256 * 256;
+  return plan;
+}
+
+}  // namespace decode
+
+template <int HeadDim, DType Dt>
+int64_t decode_workspace_bytes(const FwdParams& p) {
+  return decode::make_plan<HeadDim>(p).workspace_bytes;
+}
+
+template <int HeadDim, DType Dt>
+cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream) {
+  using namespace decode;
+  if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return cudaSuccess;
+  if (p.head_dim <= 0 || p.head_dim > HeadDim || p.head_dim % 8 != 0 || p.seqlen_k <= 0 ||
+      p.seqlen_q > kDecodeMaxSeqlenQ || workspace == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  Args args{p, make_plan<HeadDim>(p), nullptr, nullptr, p.scale * kLog2e, 0.f, 0.f};
+  if (p.softcap > 0.f) {
+    args.softcap_in = p.scale / p.softcap;
+    args.softcap_out = p.softcap / p.scale;
+  }
+  const Plan& plan = args.plan;
+  if (plan.splits > kMaxGridDim || int64_t(p.batch) * p.heads_kv * plan.row_tiles > 0x7fffffff) {
+    return cudaErrorInvalidConfiguration;
+  }
+  args.lse_partial = static_cast<float*>(workspace);
+  args.o_partial = args.lse_partial + int64_t(plan.splits) * plan.partial_rows;
+
+  auto kernel = &decode_split_kernel<HeadDim, Dt>;
+  constexpr int smem_bytes = Smem<HeadDim, Dt>::kBytes;
+  static_assert(smem_bytes <= 227 * 1024, "decode tile too large for shared memory");
+  // Raised once per device, so that a CUDA graph capture later only sees the launches.
+  static std::atomic<uint64_t> configured_devices{0};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (!(configured_devices.load(std::memory_order_relaxed) & bit)) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    if (err != cudaSuccess) return err;
+    configured_devices.fetch_or(bit, std::memory_order_relaxed);
+  }
+  dim3 grid(unsigned(int64_t(p.batch) * p.heads_kv * plan.row_tiles), unsigned(plan.splits));
+  kernel<<<grid, kThreads, smem_bytes, stream>>>(args);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const int64_t combine_ctas = (plan.partial_rows + kCombineRowsPerCta - 1) / kCombineRowsPerCta;
+  decode_combine_kernel<Dt><<<unsigned(combine_ctas), 32 * kCombineRowsPerCta, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace fa2
+
+#define FA2_INSTANTIATE_DECODE(HDIM, DT)                                                                           \
+  template cudaError_t fa2::run_decode<HDIM, fa2::DType::DT>(const fa2::FwdParams&, void*, cudaStream_t);          \
+  template int64_t fa2::decode_workspace_bytes<HDIM, fa2::DType::DT>(const fa2::FwdParams&);
