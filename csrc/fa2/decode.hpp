@@ -33,9 +33,10 @@ namespace decode {
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kRows = 16;                    // packed query rows per CTA (one m16 tile)
-constexpr int kStages = 2;                   // K/V blocks in flight per CTA
+constexpr int kStages = 3;                   // K/V blocks in flight per CTA
 constexpr int kMaxBlocksPerSplit = 64;       // a split's visible-block set is one 64-bit word
 constexpr int kCombineRowsPerCta = 4;        // one warp per output row
+constexpr int kCombineMaxSplits = 256;       // split weights a combining warp keeps in shared memory
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -136,7 +137,6 @@ struct Args {
   Plan plan;
   float* o_partial;     // [splits, B * Hq * Sq, head_dim]
   float* lse_partial;   // [splits, B * Hq * Sq], natural log
-  float scale_log2;     // scale * log2(e)
   float softcap_in;     // raw score -> tanh argument (scale / softcap); 0: no soft-capping
   float softcap_out;    // tanh -> raw-score units (softcap / scale)
 };
@@ -153,7 +153,7 @@ struct Smem {
                 "the key groups' partial rows must fit in the K/V stages");
 };
 
-// Whether packed row r (within the tile) at key j is visible, and its additive term (log2 units).
+// A packed row of the tile: whether it is a row of the call, its query position and its mask row.
 struct RowView {
   bool real;          // a row of the call (the tile's last rows may be padding)
   int i;              // query position
@@ -168,17 +168,17 @@ __device__ __forceinline__ float read_mask(const FwdParams& p, const char* row, 
     case MaskDType::kF32: {
       const float m = *reinterpret_cast<const float*>(at);
       visible = m != -INFINITY;
-      return m * kLog2e;
+      return m;
     }
     case MaskDType::kBF16: {
       const float m = __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(at));
       visible = m != -INFINITY;
-      return m * kLog2e;
+      return m;
     }
     default: {
       const float m = __half2float(*reinterpret_cast<const __half*>(at));
       visible = m != -INFINITY;
-      return m * kLog2e;
+      return m;
     }
   }
 }
@@ -248,8 +248,11 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
   {
     unsigned long long mine = 0ull;
     if (p.mask != nullptr) {
-      const int keys = num_blocks * kBlockN, rows_here = min(kRows, rows_total - tile * kRows);
-      for (int idx = tid; idx < rows_here * keys; idx += kThreads) {
+      // With a mask shared by the heads, a row's visibility depends on its query position only: the tile's
+      // first Sq rows hold every position it has.
+      const int rows_here = min(kRows, rows_total - tile * kRows);
+      const int keys = num_blocks * kBlockN, rows = p.mask_head_stride == 0 ? min(rows_here, p.seqlen_q) : rows_here;
+      for (int idx = tid; idx < rows * keys; idx += kThreads) {
         const int r = idx / keys, local = idx % keys, j = first_block * kBlockN + local;
         const RowView row = row_view(r);
         bool visible = position_visible(p, row, j);
@@ -300,14 +303,14 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
     return b;
   };
 
-  // The blocks in the two stages, in visiting order (the stage of iteration it is it % 2).
-  static_assert(kStages == 2, "the loop below keeps one block per stage in two registers");
-  int block = next_block(), queued = -1;
-  if (block >= 0) load_block(0, block);
-  cp_async_commit();
-  queued = next_block();
-  if (queued >= 0) load_block(1, queued);
-  cp_async_commit();
+  // The blocks in the stages, in visiting order: in_flight[0] is computed next, from stage `stage`.
+  int in_flight[kStages];
+#pragma unroll
+  for (int s = 0; s < kStages; ++s) {
+    in_flight[s] = next_block();
+    if (in_flight[s] >= 0) load_block(s, in_flight[s]);
+    cp_async_commit();
+  }
 
   // 3. Online softmax over the visible blocks. Thread (lane) holds rows qr and qr + 8 of the tile,
   // columns 2 * qc, 2 * qc + 1 of each 8-wide MMA tile.
@@ -318,7 +321,8 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
 #pragma unroll
   for (int n = 0; n < C::kCols / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 
-  for (int stage = 0; block >= 0; stage ^= 1) {
+  for (int stage = 0; in_flight[0] >= 0; stage = stage + 1 == kStages ? 0 : stage + 1) {
+    const int block = in_flight[0];
     cp_async_wait<kStages - 1>();
     __syncthreads();
     const T* k_smem = stage_smem + stage * S::kStageElems;
@@ -356,7 +360,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
       for (int c = 0; c < 4; ++c) {
         float x = s[n][c];
         if (args.softcap_in > 0.f) x = args.softcap_out * tanh_approx(x * args.softcap_in);
-        s[n][c] = visible[n][c] ? x * args.scale_log2 + bias[n][c] : -INFINITY;
+        s[n][c] = visible[n][c] ? x * p.scale + bias[n][c] : -INFINITY;  // natural units: finfo.min fills stay finite
         block_max[c / 2] = fmaxf(block_max[c / 2], s[n][c]);
       }
     }
@@ -367,12 +371,12 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
       block_max[h] = fmaxf(block_max[h], __shfl_xor_sync(0xffffffffu, block_max[h], 2));
       const float new_max = fmaxf(row_max[h], block_max[h]);
       const float base = new_max == -INFINITY ? 0.f : new_max;  // a row with nothing visible yet stays at 0
-      correction[h] = exp2f(row_max[h] - base);
+      correction[h] = exp2f((row_max[h] - base) * kLog2e);
       row_max[h] = new_max;
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
-        s[n][2 * h] = exp2f(s[n][2 * h] - base);
-        s[n][2 * h + 1] = exp2f(s[n][2 * h + 1] - base);
+        s[n][2 * h] = exp2f((s[n][2 * h] - base) * kLog2e);
+        s[n][2 * h + 1] = exp2f((s[n][2 * h + 1] - base) * kLog2e);
         row_sum[h] = row_sum[h] * (n == 0 ? correction[h] : 1.f) + s[n][2 * h] + s[n][2 * h + 1];
       }
     }
@@ -394,11 +398,11 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
       mma_16816<Dt>(acc[2 * dd + 1], probs, b[2], b[3]);
     }
     __syncthreads();
-    const int fresh = next_block();
-    if (fresh >= 0) load_block(stage, fresh);
+#pragma unroll
+    for (int s = 0; s + 1 < kStages; ++s) in_flight[s] = in_flight[s + 1];
+    in_flight[kStages - 1] = next_block();
+    if (in_flight[kStages - 1] >= 0) load_block(stage, in_flight[kStages - 1]);
     cp_async_commit();
-    block = queued;
-    queued = fresh;
   }
   cp_async_wait<0>();
 
@@ -422,8 +426,8 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
     for (int g = 0; g < C::kKeyGroups; ++g) tile_max[h] = fmaxf(tile_max[h], group_max[g][r]);
     const float base = tile_max[h] == -INFINITY ? 0.f : tile_max[h];
     tile_sum[h] = 0.f;
-    for (int g = 0; g < C::kKeyGroups; ++g) tile_sum[h] += group_sum[g][r] * exp2f(group_max[g][r] - base);
-    const float factor = tile_sum[h] > 0.f ? exp2f(row_max[h] - base) / tile_sum[h] : 0.f;
+    for (int g = 0; g < C::kKeyGroups; ++g) tile_sum[h] += group_sum[g][r] * exp2f((group_max[g][r] - base) * kLog2e);
+    const float factor = tile_sum[h] > 0.f ? exp2f((row_max[h] - base) * kLog2e) / tile_sum[h] : 0.f;
 #pragma unroll
     for (int n = 0; n < C::kCols / 8; ++n) {
       float* out = partial + (group * kRows + r) * HeadDim + col0 + n * 8 + 2 * qc;
@@ -435,7 +439,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
       const int head = kv_head * plan.groups + packed / p.seqlen_q;
       const int64_t row_index = (int64_t(batch) * p.heads_q + head) * p.seqlen_q + packed % p.seqlen_q;
       args.lse_partial[split * plan.partial_rows + row_index] =
-          tile_sum[h] > 0.f ? (tile_max[h] + log2f(tile_sum[h])) * kLn2 : -INFINITY;
+          tile_sum[h] > 0.f ? tile_max[h] + log2f(tile_sum[h]) * kLn2 : -INFINITY;
     }
   }
   __syncthreads();
@@ -453,24 +457,34 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
 }
 
 // out and lse from the splits' partial rows: weights exp(lse_s - max), then the sink (if any) joins the row.
+// One warp per row: the lanes share the splits for the weights, then 4 columns each, the splits' loads of a
+// column group independent of each other.
 template <DType Dt>
 __global__ void __launch_bounds__(32 * kCombineRowsPerCta) decode_combine_kernel(const Args args) {
   using T = typename Element<Dt>::T;
+  __shared__ float weights[kCombineRowsPerCta][kCombineMaxSplits];
   const FwdParams& p = args.p;
   const Plan& plan = args.plan;
-  const int64_t row = int64_t(blockIdx.x) * kCombineRowsPerCta + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t row = int64_t(blockIdx.x) * kCombineRowsPerCta + warp;
   if (row >= plan.partial_rows) return;
   const int i = int(row % p.seqlen_q);
   const int head = int((row / p.seqlen_q) % p.heads_q);
   const int batch = int(row / (int64_t(p.seqlen_q) * p.heads_q));
+  const float* lse_partial = args.lse_partial + row;  // split s at s * partial_rows
 
   float top = -INFINITY;
-  for (int s = 0; s < plan.splits; ++s) top = fmaxf(top, args.lse_partial[s * plan.partial_rows + row]);
+  for (int s = lane; s < plan.splits; s += 32) top = fmaxf(top, lse_partial[s * plan.partial_rows]);
+  for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
   float total = 0.f;
-  if (top != -INFINITY) {
-    for (int s = 0; s < plan.splits; ++s) total += expf(args.lse_partial[s * plan.partial_rows + row] - top);
+  for (int s = lane; s < plan.splits; s += 32) {
+    const float w = top == -INFINITY ? 0.f : expf(lse_partial[s * plan.partial_rows] - top);
+    if (s < kCombineMaxSplits) weights[warp][s] = w;
+    total += w;
   }
+  for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
+  __syncwarp();
+
   float lse = total > 0.f ? top + logf(total) : -INFINITY;
   float out_scale = total > 0.f ? 1.f / total : 0.f;
   if (p.sinks != nullptr) {  // the sink joins the denominator: lse' = logaddexp(lse, sink), out * exp(lse - lse')
@@ -480,15 +494,20 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerCta) decode_combine_kernel
     lse = joined;
   }
   T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride + int64_t(i) * p.o_row_stride;
-  for (int d = lane; d < p.head_dim; d += 32) {
-    float value = 0.f;
+  for (int d = 4 * lane; d < p.head_dim; d += 128) {  // head_dim is a multiple of 8
+    float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
     if (total > 0.f) {
+#pragma unroll 8
       for (int s = 0; s < plan.splits; ++s) {
-        const float w = expf(args.lse_partial[s * plan.partial_rows + row] - top);
-        value += w * args.o_partial[(s * plan.partial_rows + row) * p.head_dim + d];
+        const float w = s < kCombineMaxSplits ? weights[warp][s] : expf(lse_partial[s * plan.partial_rows] - top);
+        const float4 o = *reinterpret_cast<const float4*>(args.o_partial + (s * plan.partial_rows + row) * p.head_dim + d);
+        value.x += w * o.x, value.y += w * o.y, value.z += w * o.z, value.w += w * o.w;
       }
     }
-    out[d] = Element<Dt>::from_float(value * out_scale);
+    out[d] = Element<Dt>::from_float(value.x * out_scale);
+    out[d + 1] = Element<Dt>::from_float(value.y * out_scale);
+    out[d + 2] = Element<Dt>::from_float(value.z * out_scale);
+    out[d + 3] = Element<Dt>::from_float(value.w * out_scale);
   }
   if (lane == 0) p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + i] = lse;
 }
@@ -541,7 +560,7 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
       p.seqlen_q > kDecodeMaxSeqlenQ || workspace == nullptr) {
     return cudaErrorInvalidValue;
   }
-  Args args{p, make_plan<HeadDim>(p), nullptr, nullptr, p.scale * kLog2e, 0.f, 0.f};
+  Args args{p, make_plan<HeadDim>(p), nullptr, nullptr, 0.f, 0.f};
   if (p.softcap > 0.f) {
     args.softcap_in = p.scale / p.softcap;
     args.softcap_out = p.softcap / p.scale;
@@ -550,8 +569,8 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
   if (plan.splits > kMaxGridDim || int64_t(p.batch) * p.heads_kv * plan.row_tiles > 0x7fffffff) {
     return cudaErrorInvalidConfiguration;
   }
-  args.lse_partial = static_cast<float*>(workspace);
-  args.o_partial = args.lse_partial + int64_t(plan.splits) * plan.partial_rows;
+  args.o_partial = static_cast<float*>(workspace);  // first: 16-byte aligned for the combine's float4 loads
+  args.lse_partial = args.o_partial + int64_t(plan.splits) * plan.partial_rows * p.head_dim;
 
   auto kernel = &decode_split_kernel<HeadDim, Dt>;
   constexpr int smem_bytes = Smem<HeadDim, Dt>::kBytes;

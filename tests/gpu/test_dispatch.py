@@ -59,7 +59,10 @@ def launches_from_python(q, k, v, mask, scale, is_causal, window_left=-1, empty_
         return out, lse
     if scale < 0:
         q, scale = -q, -scale
-    if mask is not None:
+    if sq <= C.limits()["decode_max_seqlen_q"]:
+        C.fwd_decode(q, k, v, out, lse, scale, None if mask is None else mask.expand(b, hq, sq, k.shape[2]), is_causal,
+                     window_left, softcap, sinks)
+    elif mask is not None:
         C.fwd_masked(q, k, v, out, lse, scale, mask.expand(b, hq, sq, k.shape[2]), is_causal, window_left, softcap,
                      sinks)
     else:
@@ -194,13 +197,13 @@ def test_input_errors_are_ops_check_inputs_word_for_word(name):
 
 
 def _reason_cases():
-    q, k, v = make_qkv(1, 4, 2, 16, 16, D, DTYPES[DT])
-    mask = torch.ones(16, 16, dtype=torch.bool, device=DEV)
+    q, k, v = make_qkv(1, 4, 2, 17, 16, D, DTYPES[DT])  # 17 query rows: more than a decode step
+    mask = torch.ones(17, 16, dtype=torch.bool, device=DEV)
     flat = torch.zeros(q.numel() + 1, dtype=q.dtype, device=DEV)
     name = DT
     wide = torch.zeros(1, 65536, 1, D, dtype=q.dtype, device=DEV)
     one = torch.zeros(1, 1, 1, D, dtype=q.dtype, device=DEV)
-    q96, k96, v96 = make_qkv(1, 4, 2, 16, 16, 96, DTYPES[DT])
+    q100, k100, v100 = make_qkv(1, 4, 2, 17, 16, 100, DTYPES[DT])  # not a multiple of 8: no kernel pads it
     return {
         "supported": ((q, k, v, mask, True, 3), None),
         "softcap": ((q, k, v, mask, True, -1, 30.0), None),
@@ -218,13 +221,13 @@ def _reason_cases():
         "dtypes_differ": ((q, k.to(torch.float16 if DT == "bf16" else torch.bfloat16), v, None, False),
                           "q, k, v dtypes differ"),
         "three_dims": ((q[0], k[0], v[0], None, False), "inputs must be 4-D"),
-        "head_dim_96": ((q96, k96, v96, None, False), f"no kernel compiled for head dim 96 {name}"),
+        "head_dim_100": ((q100, k100, v100, None, False), f"no kernel compiled for head dim 100 {name}"),
         "heads_above_grid": ((wide, one, one, None, False), "batch or heads above 65535"),
         "heads_not_grouped": ((q[:, :3], k, v, None, False), "Hq must be a multiple of Hkv"),
         "last_dim_strided": ((q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v, None, False),
                              "q last dim not contiguous"),
         "misaligned": ((flat[1:].view(q.shape), k, v, None, False), "q not 16-byte aligned"),
-        "row_stride": ((torch.zeros(1, 4, 16, D + 3, dtype=q.dtype, device=DEV)[..., :D], k, v, None, False),
+        "row_stride": ((torch.zeros(1, 4, 17, D + 3, dtype=q.dtype, device=DEV)[..., :D], k, v, None, False),
                        f"q stride {D + 3} of dim 2 is not a positive multiple of 8 elements"),
     }
 
@@ -256,7 +259,7 @@ def test_fake_tensors_are_judged_without_an_address():
         assert _cuda.kernel_unsupported_reason(q.float(), q.float(), q.float(), None, True) is not None
 
 
-@pytest.mark.parametrize("name", ["head_dim_96", "float32", "additive_with_causal", "misaligned", "row_stride",
+@pytest.mark.parametrize("name", ["head_dim_100", "float32", "additive_with_causal", "misaligned", "row_stride",
                                   "last_dim_strided"])
 def test_unsupported_calls_run_the_reference_counted(name, fresh_counters):
     (q, k, v, mask, is_causal, *window), reason = _reason_cases()[name]
@@ -270,17 +273,17 @@ def test_unsupported_calls_run_the_reference_counted(name, fresh_counters):
 
 
 def test_each_reason_is_announced_once_and_every_call_counted(fresh_counters):
-    (q96, k96, v96, *_), reason_96 = _reason_cases()["head_dim_96"]
+    (q100, k100, v100, *_), reason_100 = _reason_cases()["head_dim_100"]
     (qf, kf, vf, *_), reason_f32 = _reason_cases()["float32"]
-    with pytest.warns(UserWarning, match="head dim 96"):
-        op(q96, k96, v96, None, 0.1, False)
+    with pytest.warns(UserWarning, match="head dim 100"):
+        op(q100, k100, v100, None, 0.1, False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        op(q96, k96, v96, None, 0.1, False)
-        op(q96, k96, v96, None, 0.1, True)
+        op(q100, k100, v100, None, 0.1, False)
+        op(q100, k100, v100, None, 0.1, True)
     with pytest.warns(UserWarning, match="float32"):
         op(qf, kf, vf, None, 0.1, False)
-    assert dict(fresh_counters) == {f"reference_fallback:{reason_96}": 3, f"reference_fallback:{reason_f32}": 1}
+    assert dict(fresh_counters) == {f"reference_fallback:{reason_100}": 3, f"reference_fallback:{reason_f32}": 1}
 
 
 @pytest.mark.parametrize("name", ["causal", "gqa_bshd", "key_padding_causal_window_all_keys", "key_padding_causal_mean_v",
@@ -292,7 +295,7 @@ def test_opcheck(name):
 
 
 def test_opcheck_of_a_reference_fallback():
-    (q, k, v, *_), _ = _reason_cases()["head_dim_96"]
+    (q, k, v, *_), _ = _reason_cases()["head_dim_100"]
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

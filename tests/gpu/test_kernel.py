@@ -116,24 +116,25 @@ def test_forward_empty_keys():
 
 
 def test_unsupported_reasons():
-    q, k, v = make_qkv(1, 2, 2, 16, 16, 128, torch.bfloat16)
-    mask = torch.ones(16, 16, dtype=torch.bool, device=DEV)
+    q, k, v = make_qkv(1, 2, 2, 17, 16, 128, torch.bfloat16)  # 17 rows: more than a decode step
+    mask = torch.ones(17, 16, dtype=torch.bool, device=DEV)
     # Masks: bool/float32/bf16/fp16 run the masked kernels (tests/gpu/test_mask.py); others are refused.
     assert _cuda.kernel_unsupported_reason(q, k, v, mask.double(), False) is not None
     assert _cuda.kernel_unsupported_reason(q, k, v, mask.float(), True) is not None  # additive with causal
+    assert _cuda.kernel_unsupported_reason(q[:, :, :16], k, v, mask[:16].float(), True) is None  # the decode kernel's
     assert _cuda.kernel_unsupported_reason(q.float(), k.float(), v.float(), None, False) is not None
-    q96, k96, v96 = make_qkv(1, 2, 2, 16, 16, 96, torch.bfloat16)
-    assert _cuda.kernel_unsupported_reason(q96, k96, v96, None, False) is not None
+    q100, k100, v100 = make_qkv(1, 2, 2, 16, 16, 100, torch.bfloat16)  # not a multiple of 8: never padded
+    assert _cuda.kernel_unsupported_reason(q100, k100, v100, None, False) is not None
     # Unsupported calls still give the right answer through the op (reference path), counted and
     # announced once, since that path is slow.
     from torch._dynamo.utils import counters
 
     counters["fa2_inductor"].clear()
-    with pytest.warns(UserWarning, match="reference implementation: no kernel compiled for head dim 96"):
-        out, _ = torch.ops.fa2_inductor.flash_attention_fwd(q96, k96, v96, None, 0.1, False)
-    torch.ops.fa2_inductor.flash_attention_fwd(q96, k96, v96, None, 0.1, False)
-    assert counters["fa2_inductor"]["reference_fallback:no kernel compiled for head dim 96 bf16"] == 2
-    ref, _ = attention_reference(q96.double(), k96.double(), v96.double(), scale=0.1)
+    with pytest.warns(UserWarning, match="reference implementation: no kernel compiled for head dim 100"):
+        out, _ = torch.ops.fa2_inductor.flash_attention_fwd(q100, k100, v100, None, 0.1, False)
+    torch.ops.fa2_inductor.flash_attention_fwd(q100, k100, v100, None, 0.1, False)
+    assert counters["fa2_inductor"]["reference_fallback:no kernel compiled for head dim 100 bf16"] == 2
+    ref, _ = attention_reference(q100.double(), k100.double(), v100.double(), scale=0.1)
     assert (out.double() - ref).abs().max().item() < 2e-2
 
 

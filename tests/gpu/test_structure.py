@@ -155,7 +155,7 @@ def test_op_runs_the_structured_kernel():
 def test_structure_refusals():
     d, dt = 64, "bf16"
     needs_kernel(d, dt)
-    q, k, v = make_qkv(1, 2, 2, 16, 16, d, DTYPES[dt])
+    q, k, v = make_qkv(1, 2, 2, 17, 16, d, DTYPES[dt])  # 17 rows: more than a decode step
     pad = torch.ones(1, 1, 1, 16, dtype=torch.bool, device=DEV)
     assert _cuda.kernel_unsupported_reason(q, k, v, pad, True, 5) is None
     assert _cuda.kernel_unsupported_reason(q, k, v, None, False, 5) == "window_left without is_causal"
