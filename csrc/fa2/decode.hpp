@@ -38,7 +38,6 @@ constexpr int kMaxBlocksPerSplit = 64;       // a split's visible-block set is o
 constexpr int kCombineRowsPerCta = 4;        // one warp per output row
 constexpr int kCombineMaxSplits = 256;       // split weights a combining warp keeps in shared memory
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // The warps split a block's keys 16 each. At D = 256 two warps share a key group and take half of the
 // output columns each: a 16 x 256 float accumulator does not fit one warp's registers.
@@ -136,7 +135,9 @@ struct Args {
   FwdParams p;
   Plan plan;
   float* o_partial;     // [splits, B * Hq * Sq, head_dim]
-  float* lse_partial;   // [splits, B * Hq * Sq], natural log
+  float* max_partial;   // [splits, B * Hq * Sq]: each split's row max (natural units), -inf for an empty row
+  float* sum_partial;   // [splits, B * Hq * Sq]: its sum of exp(score - max). Kept apart rather than as an LSE:
+                        // max + log(sum) loses the sum where the max is huge (finfo.min fills)
   float softcap_in;     // raw score -> tanh argument (scale / softcap); 0: no soft-capping
   float softcap_out;    // tanh -> raw-score units (softcap / scale)
 };
@@ -427,7 +428,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
     const float base = tile_max[h] == -INFINITY ? 0.f : tile_max[h];
     tile_sum[h] = 0.f;
     for (int g = 0; g < C::kKeyGroups; ++g) tile_sum[h] += group_sum[g][r] * exp2f((group_max[g][r] - base) * kLog2e);
-    const float factor = tile_sum[h] > 0.f ? exp2f((row_max[h] - base) * kLog2e) / tile_sum[h] : 0.f;
+    const float factor = tile_sum[h] > 0.f ? exp2f((row_max[h] - base) * kLog2e) / tile_sum[h] : 0.f;  // O / sum
 #pragma unroll
     for (int n = 0; n < C::kCols / 8; ++n) {
       float* out = partial + (group * kRows + r) * HeadDim + col0 + n * 8 + 2 * qc;
@@ -438,8 +439,8 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
       const int packed = tile * kRows + r;
       const int head = kv_head * plan.groups + packed / p.seqlen_q;
       const int64_t row_index = (int64_t(batch) * p.heads_q + head) * p.seqlen_q + packed % p.seqlen_q;
-      args.lse_partial[split * plan.partial_rows + row_index] =
-          tile_sum[h] > 0.f ? tile_max[h] + log2f(tile_sum[h]) * kLn2 : -INFINITY;
+      args.max_partial[split * plan.partial_rows + row_index] = tile_sum[h] > 0.f ? tile_max[h] : -INFINITY;
+      args.sum_partial[split * plan.partial_rows + row_index] = tile_sum[h];
     }
   }
   __syncthreads();
@@ -456,7 +457,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
   }
 }
 
-// out and lse from the splits' partial rows: weights exp(lse_s - max), then the sink (if any) joins the row.
+// out and lse from the splits' partial rows: weights sum_s * exp(max_s - max), then the sink (if any) joins the row.
 // One warp per row: the lanes share the splits for the weights, then 4 columns each, the splits' loads of a
 // column group independent of each other.
 template <DType Dt>
@@ -471,14 +472,18 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerCta) decode_combine_kernel
   const int i = int(row % p.seqlen_q);
   const int head = int((row / p.seqlen_q) % p.heads_q);
   const int batch = int(row / (int64_t(p.seqlen_q) * p.heads_q));
-  const float* lse_partial = args.lse_partial + row;  // split s at s * partial_rows
-
+  const float* max_partial = args.max_partial + row;  // split s at s * partial_rows
+  const float* sum_partial = args.sum_partial + row;
   float top = -INFINITY;
-  for (int s = lane; s < plan.splits; s += 32) top = fmaxf(top, lse_partial[s * plan.partial_rows]);
+  for (int s = lane; s < plan.splits; s += 32) top = fmaxf(top, max_partial[s * plan.partial_rows]);
   for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
+  auto weight = [&](int s) {
+    const float m = max_partial[s * plan.partial_rows];
+    return m == -INFINITY ? 0.f : sum_partial[s * plan.partial_rows] * expf(m - top);
+  };
   float total = 0.f;
   for (int s = lane; s < plan.splits; s += 32) {
-    const float w = top == -INFINITY ? 0.f : expf(lse_partial[s * plan.partial_rows] - top);
+    const float w = weight(s);
     if (s < kCombineMaxSplits) weights[warp][s] = w;
     total += w;
   }
@@ -499,7 +504,7 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerCta) decode_combine_kernel
     if (total > 0.f) {
 #pragma unroll 8
       for (int s = 0; s < plan.splits; ++s) {
-        const float w = s < kCombineMaxSplits ? weights[warp][s] : expf(lse_partial[s * plan.partial_rows] - top);
+        const float w = s < kCombineMaxSplits ? weights[warp][s] : weight(s);
         const float4 o = *reinterpret_cast<const float4*>(args.o_partial + (s * plan.partial_rows + row) * p.head_dim + d);
         value.x += w * o.x, value.y += w * o.y, value.z += w * o.z, value.w += w * o.w;
       }
@@ -540,7 +545,7 @@ Plan make_plan(const FwdParams& p) {
   plan.blocks_per_split = int((plan.num_blocks + splits - 1) / splits);
   plan.splits = int((plan.num_blocks + plan.blocks_per_split - 1) / plan.blocks_per_split);
   plan.partial_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-  const int64_t floats = int64_t(plan.splits) * plan.partial_rows * (p.head_dim + 1);
+  const int64_t floats = int64_t(plan.splits) * plan.partial_rows * (p.head_dim + 2);
   plan.workspace_bytes = (floats * int64_t(sizeof(float)) + 255) / 256 * 256;
   return plan;
 }
@@ -560,7 +565,7 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
       p.seqlen_q > kDecodeMaxSeqlenQ || workspace == nullptr) {
     return cudaErrorInvalidValue;
   }
-  Args args{p, make_plan<HeadDim>(p), nullptr, nullptr, 0.f, 0.f};
+  Args args{p, make_plan<HeadDim>(p), nullptr, nullptr, nullptr, 0.f, 0.f};
   if (p.softcap > 0.f) {
     args.softcap_in = p.scale / p.softcap;
     args.softcap_out = p.softcap / p.scale;
@@ -570,7 +575,8 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
     return cudaErrorInvalidConfiguration;
   }
   args.o_partial = static_cast<float*>(workspace);  // first: 16-byte aligned for the combine's float4 loads
-  args.lse_partial = args.o_partial + int64_t(plan.splits) * plan.partial_rows * p.head_dim;
+  args.max_partial = args.o_partial + int64_t(plan.splits) * plan.partial_rows * p.head_dim;
+  args.sum_partial = args.max_partial + int64_t(plan.splits) * plan.partial_rows;
 
   auto kernel = &decode_split_kernel<HeadDim, Dt>;
   constexpr int smem_bytes = Smem<HeadDim, Dt>::kBytes;

@@ -156,3 +156,13 @@ def test_the_pass_and_the_kernel_agree_on_what_a_decode_step_is():
     from fa2_inductor.passes import support
 
     assert support.DECODE_MAX_QUERY_ROWS == DECODE_MAX_SQ
+
+
+def test_finfo_min_rows_average_v_over_every_split():
+    """HF's finfo.min fill leaves a row of equal scores (a uniform softmax, not an empty row); its keys span many
+    splits, each of which must count with its own number of keys."""
+    needs_kernel(128, "bf16")
+    q, k, v = make_qkv(2, 8, 2, 1, 4099, 128, torch.bfloat16, seed=13)
+    mask = torch.zeros(2, 1, 1, 4099, device=DEV)
+    mask[0] = torch.finfo(torch.float32).min
+    check_forward(q, k, v, False, 0.0, None, mask)

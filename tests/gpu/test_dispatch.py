@@ -227,7 +227,7 @@ def _reason_cases():
         "last_dim_strided": ((q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v, None, False),
                              "q last dim not contiguous"),
         "misaligned": ((flat[1:].view(q.shape), k, v, None, False), "q not 16-byte aligned"),
-        "row_stride": ((torch.zeros(1, 4, 17, D + 3, dtype=q.dtype, device=DEV)[..., :D], k, v, None, False),
+        "row_stride": ((torch.zeros(1, 4, 24, D + 3, dtype=q.dtype, device=DEV)[:, :, :17, :D], k, v, None, False),
                        f"q stride {D + 3} of dim 2 is not a positive multiple of 8 elements"),
     }
 
