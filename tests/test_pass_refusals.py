@@ -315,6 +315,29 @@ def _mask_added_with_alpha(q, k, v, mask):
     return torch.add(q @ k.transpose(-2, -1) / 5.6, mask, alpha=0.5).softmax(-1) @ v
 
 
+@pytest.mark.parametrize("divisor, kept", [(5.6, False), (4.0, True)], ids=["other", "sqrt_head_dim"])
+def test_a_scale_divisor_other_than_sqrt_head_dim_becomes_a_reciprocal(divisor, kept):
+    """torch 2.11's masked fusion takes any number divisor of the scores for sqrt(head dim) and runs SDPA with its
+    default scale; the shield hands it a product instead (same value up to rounding), except for sqrt(head dim)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fa2_inductor.passes.inductor_guards import shield_attention_chains
+
+    q, k, v = qkv(seq_q=16, dim=16)  # sqrt(16) = 4.0
+    mask = torch.randn(1, 1, 16, 16)
+
+    def fn(q, k, v, mask):
+        return (q @ k.transpose(-2, -1) / divisor + mask).softmax(-1) @ v
+
+    module = make_fx(fn, tracing_mode="fake")(q, k, v, mask)
+    assert shield_attention_chains(module.graph) is not kept
+    module.graph.eliminate_dead_code()
+    module.recompile()
+    divisions = [n for n in module.graph.nodes if n.target is torch.ops.aten.div.Tensor and n.args[1] == divisor]
+    assert bool(divisions) is kept
+    torch.testing.assert_close(module(q, k, v, mask), fn(q, k, v, mask))
+
+
 def test_a_refused_site_keeps_its_alpha(monkeypatch):
     """On CPU by default every site stays with Inductor, whose fusion drops a mask's alpha (torch 2.13:
     errors of ~1); the pass folds the alpha into the mask first."""

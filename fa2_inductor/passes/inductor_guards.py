@@ -3,11 +3,15 @@
 Inductor's fuse_attention patterns run after this pass, on the sites it leaves alone, and
 - ignore the softmax dim (pytorch issue 196468): ``softmax(q @ kᵀ, dim=-2) @ v`` becomes attention
   over the last dim;
-- ignore add's alpha: ``softmax(torch.add(s, mask, alpha=a)) @ v`` becomes ``softmax(s + mask) @ v``.
+- ignore add's alpha: ``softmax(torch.add(s, mask, alpha=a)) @ v`` becomes ``softmax(s + mask) @ v``;
+- (torch 2.11) take any number divisor of the scores for sqrt(head dim): ``softmax(q @ kᵀ / c + mask) @ v``
+  becomes SDPA with its default scale (seen on CPU, the generated code calling SDPA without ``scale``).
 Such chains are rewritten here into the same values in a form none of its patterns matches.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.fx as fx
@@ -31,6 +35,7 @@ def shield_attention_chains(graph: fx.Graph) -> bool:
             _move_softmax_to_last_dim(graph, softmax)
             changed = True
         changed |= _fold_alphas(graph, softmax.input)
+        changed |= _divisors_as_reciprocals(graph, softmax.input)
     return changed
 
 
@@ -50,20 +55,53 @@ def _move_softmax_to_last_dim(graph: fx.Graph, softmax: Softmax) -> None:
     softmax.output.replace_all_uses_with(result)
 
 
-def _fold_alphas(graph: fx.Graph, scores: fx.Node) -> bool:
-    """``add(x, y, alpha=a)`` above the softmax becomes ``add(x, y * a)``."""
-    changed, frontier, seen = False, [scores], set()
+def _score_steps(scores: fx.Node) -> list[fx.Node]:
+    """The calls within _SCORE_STEPS above the softmax's input, nearest first."""
+    steps, frontier, seen = [], [scores], set()
     for _ in range(_SCORE_STEPS):
         frontier = [n for n in frontier if isinstance(n, fx.Node) and n not in seen and n.op == "call_function"]
         seen.update(frontier)
-        for node in frontier:
-            alpha = ops.arg(node, "alpha") if ops.calls(node, *ops.ADD) else 1
-            if alpha != 1 and isinstance(alpha, (int, float)) and not isinstance(alpha, bool):
-                with graph.inserting_before(node):
-                    scaled = insert_call(graph, torch.ops.aten.mul.Tensor, (node.args[1], alpha))
-                if "partitioner_tag" in node.meta:
-                    scaled.meta["partitioner_tag"] = node.meta["partitioner_tag"]
-                node.args, node.kwargs = (node.args[0], scaled), {}
-                changed = True
+        steps += frontier
         frontier = [a for n in frontier for a in n.all_input_nodes]
+    return steps
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _scaled(graph: fx.Graph, node: fx.Node, x: fx.Node, factor: float) -> fx.Node:
+    """``x * factor`` inserted before ``node``, in its partition."""
+    with graph.inserting_before(node):
+        scaled = insert_call(graph, torch.ops.aten.mul.Tensor, (x, factor))
+    if "partitioner_tag" in node.meta:
+        scaled.meta["partitioner_tag"] = node.meta["partitioner_tag"]
+    return scaled
+
+
+def _fold_alphas(graph: fx.Graph, scores: fx.Node) -> bool:
+    """``add(x, y, alpha=a)`` above the softmax becomes ``add(x, y * a)``."""
+    changed = False
+    for node in _score_steps(scores):
+        alpha = ops.arg(node, "alpha") if ops.calls(node, *ops.ADD) else 1
+        if alpha != 1 and _is_number(alpha):
+            node.args, node.kwargs = (node.args[0], _scaled(graph, node, node.args[1], alpha)), {}
+            changed = True
+    return changed
+
+
+def _divisors_as_reciprocals(graph: fx.Graph, scores: fx.Node) -> bool:
+    """``s / c`` above the softmax becomes ``s * (1 / c)`` unless c is sqrt(head dim) (the product's inner size),
+    the one divisor Inductor's masked pattern means; equal up to the last bit of rounding."""
+    steps = _score_steps(scores)
+    products = [n for n in steps if ops.calls(n, *ops.BMM, *ops.BADDBMM)]
+    head_dim = tensor_val(products[0].args[-2 if ops.calls(products[0], *ops.BADDBMM) else 0]).shape[-1] if products else None
+    changed = False
+    for node in steps:
+        if node.target is not torch.ops.aten.div.Tensor or node.kwargs or len(node.args) != 2:
+            continue
+        divisor = node.args[1]
+        if _is_number(divisor) and divisor != 0 and (head_dim is None or divisor != math.sqrt(head_dim)):
+            node.replace_all_uses_with(_scaled(graph, node, node.args[0], 1.0 / divisor))
+            changed = True
     return changed
