@@ -913,7 +913,7 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     v, v_dims = pv.rhs.source, pv.rhs.dims
     # Each operand is a permuted view of its source (views.Operand): that permutation is its layout.
     k_dims = [*kt_dims[:-2], kt_dims[-1], kt_dims[-2]]
-    layouts = {"q": tuple(q_dims), "k": tuple(k_dims), "v": tuple(v_dims), "out": FLAT if pv.batch_rank == 1 else BHSD}
+    layouts = {"q": tuple(q_dims), "k": tuple(k_dims), "v": tuple(v_dims), "out": tuple(range(pv.batch_rank + 2))}
     if any(tensor_val(node).dim() != len(layouts[name]) for name, node in (("q", q), ("k", k), ("v", v))):
         return site.refuse(Refusal.UNRECOGNISED_LAYOUT, "q, k or v seen through a view that drops a size-1 dim")
     if tensor_val(site.anchor).dim() != len(layouts["out"]):
