@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fa2_inductor
 from tests.pass_checks import compile_and_compare, pass_counts
 
 S, D = 8, 16
@@ -168,3 +169,18 @@ def test_scores_subtracted_from_a_mask_are_refused(cpu_pass):
     q, k, v = (torch.randn(2, 3, S, D) for _ in range(3))
     compile_and_compare(fn, q, k, v, _keys(), rewrites=0)
     assert pass_counts() == {"refused:score_transform": 1}
+
+
+def test_one_head_moved_by_einsum_is_refused_with_its_detail(cpu_pass):
+    """CvT's einsum with a single head: the size-1 head dim travels to another place in P @ V's operand,
+    which the layout map does not follow (with three heads the same code is rewritten)."""
+    def fn(q, k, v):
+        scores = torch.einsum("bhlk,bhtk->bhlt", q, k) * 0.25
+        return torch.einsum("bhlt,bhtv->bhlv", scores.softmax(-1), v)
+
+    torch.manual_seed(0)
+    for heads, rewrites in ((3, 1), (1, 0)):
+        q, k, v = torch.randn(2, heads, 12, D), torch.randn(2, heads, 6, D), torch.randn(2, heads, 6, D)
+        compile_and_compare(fn, q, k, v, rewrites=rewrites)
+    report = fa2_inductor.explain(fn, q, k, v)
+    assert report.refused[0].reason == "unrecognised_layout" and "size-1 head or block dim" in report.refused[0].detail

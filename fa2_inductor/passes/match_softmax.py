@@ -919,7 +919,7 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     if softmax.dim != tensor_val(softmax.input).dim() - 1:
         return site.refuse(Refusal.SOFTMAX_NOT_LAST_DIM)
     if pv is None or pv.lhs.source not in probs.chain or pv.lhs.dims != list(range(pv.batch_rank + 2)):
-        return site.refuse(Refusal.UNRECOGNISED_LAYOUT, "P @ V")
+        return site.refuse(Refusal.UNRECOGNISED_LAYOUT, _pv_layout_detail(pv, probs))
     scores = _walk_up_scores(softmax)
     if scores is None:
         return site.refuse(Refusal.UNRECOGNISED_SCORES)
@@ -955,6 +955,13 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     run_in_input_precision(site)
     refused = chain_rounding_refusal(site, scores.rounded_to | probs.rounded_to)
     return site.refuse_as(refused) if refused else site
+
+
+def _pv_layout_detail(pv: Optional[BatchedMatmul], probs: _Probs) -> str:
+    if pv is not None and strip_views(pv.lhs.source)[0] in probs.chain:  # CvT's one head, LongT5's one block
+        return ("P @ V: its matmul reads the probabilities through permutes and size-1 views the layout map does "
+                "not follow (e.g. einsum moving a size-1 head or block dim)")
+    return "P @ V"
 
 
 def _reading_of_rank(matmul: BatchedMatmul, batch_rank: int) -> BatchedMatmul:
