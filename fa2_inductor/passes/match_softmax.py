@@ -357,7 +357,8 @@ def _subtracts_mask(sub: fx.Node) -> bool:
     if not (ops.calls(sub, *ops.SUB) and all(isinstance(a, fx.Node) for a in sub.args)):
         return False
     x, mask = sub.args
-    return _reaches_matmul(x) and not _reaches_matmul(mask) and tensor_val(mask) is not None
+    return (_reaches_matmul(x) and tensor_val(mask) is not None and not _reaches_matmul(mask)
+            and not _computed_from(mask, x))  # e.g. a max of the scores
 
 
 def _negated_mask(sub: fx.Node) -> fx.Node:
