@@ -171,6 +171,8 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
             x = _plus_zero(x)
         elif ops.calls(x, *ops.ADD) and all(isinstance(a, fx.Node) for a in x.args):
             x = _additive_mask(scores, x)
+        elif _subtracts_mask(x):
+            x = _add_mask(scores, x.args[0], _negated_mask(x), x)
         elif scores.merged_heads is None and _split_sum(x):
             scores.refused = Refused(Refusal.UNRECOGNISED_LAYOUT, "an additive term summed with [B*H, M, K] scores, "
                                      "then viewed as [B, H, M, K]")
@@ -348,6 +350,22 @@ def _add_mask(scores: _Scores, x: fx.Node, mask: fx.Node, add: fx.Node) -> fx.No
         if alpha != 1 and x is b:
             scores.factors.append((alpha, False))  # applied to the scores before the mask is added
     return x
+
+
+def _subtracts_mask(sub: fx.Node) -> bool:
+    """``scores - mask`` (Funnel's ``s - INF * (1 - mask)``): ``s + (-mask)``, the same value bit for bit."""
+    if not (ops.calls(sub, *ops.SUB) and all(isinstance(a, fx.Node) for a in sub.args)):
+        return False
+    x, mask = sub.args
+    return (_reaches_matmul(x) and tensor_val(mask) is not None and not _reaches_matmul(mask)
+            and not _computed_from(mask, x))  # e.g. a max of the scores
+
+
+def _negated_mask(sub: fx.Node) -> fx.Node:
+    with sub.graph.inserting_before(sub):
+        negated = insert_call(sub.graph, torch.ops.aten.neg.default, (sub.args[1],))
+    _tag_like(sub, [negated])
+    return negated
 
 
 def _split_sum(view: fx.Node) -> bool:
@@ -824,19 +842,25 @@ def _is_random(node, depth: int = 4) -> bool:
 def _anchor_for(bmm: fx.Node, probs_chain: list) -> Optional[BatchedMatmul]:
     """P @ V in its logical layout: the outermost of bmm itself, its batch-split view, einsum's re-layout
     whose left operand is the probabilities as the softmax gave them (XGLM's P, viewed as [B, H, M, K] and
-    back, is only so for the 3-D product)."""
-    node, found, found_on_probs = bmm, None, None
-    for _ in range(6):
-        for matmul in batched_matmul_readings(node):
-            if matmul.bmm is bmm:
-                found = found if found and found.out is node else matmul  # the first reading of the outermost
-                if matmul.lhs.source in probs_chain:
-                    found_on_probs = matmul
-        users = list(node.users)
-        if len(users) != 1 or not ops.calls(users[0], *ops.VIEW, *ops.PERMUTE):
-            break
-        node = users[0]
-    return found_on_probs or found
+    back, is only so for the 3-D product); failing one on the probabilities, a permutation of the split
+    (einsum's ``bnij,bjnd->bind`` output)."""
+    first = None
+    for permuted_out in (False, True):
+        node, found, found_on_probs = bmm, None, None
+        for _ in range(6):
+            for matmul in batched_matmul_readings(node, permuted_out=permuted_out):
+                if matmul.bmm is bmm:
+                    found = found if found and found.out is node else matmul  # the first reading of the outermost
+                    if matmul.lhs.source in probs_chain:
+                        found_on_probs = matmul
+            users = list(node.users)
+            if len(users) != 1 or not ops.calls(users[0], *ops.VIEW, *ops.PERMUTE):
+                break
+            node = users[0]
+        if found_on_probs:
+            return found_on_probs
+        first = first or found
+    return first
 
 
 def attention_shaped(softmax: Softmax) -> bool:
@@ -896,7 +920,7 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     if softmax.dim != tensor_val(softmax.input).dim() - 1:
         return site.refuse(Refusal.SOFTMAX_NOT_LAST_DIM)
     if pv is None or pv.lhs.source not in probs.chain or pv.lhs.dims != list(range(pv.batch_rank + 2)):
-        return site.refuse(Refusal.UNRECOGNISED_LAYOUT, "P @ V")
+        return site.refuse(Refusal.UNRECOGNISED_LAYOUT, _pv_layout_detail(pv, probs))
     scores = _walk_up_scores(softmax)
     if scores is None:
         return site.refuse(Refusal.UNRECOGNISED_SCORES)
@@ -913,7 +937,7 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     v, v_dims = pv.rhs.source, pv.rhs.dims
     # Each operand is a permuted view of its source (views.Operand): that permutation is its layout.
     k_dims = [*kt_dims[:-2], kt_dims[-1], kt_dims[-2]]
-    layouts = {"q": tuple(q_dims), "k": tuple(k_dims), "v": tuple(v_dims), "out": FLAT if pv.batch_rank == 1 else BHSD}
+    layouts = {"q": tuple(q_dims), "k": tuple(k_dims), "v": tuple(v_dims), "out": pv.out_layout or tuple(range(pv.batch_rank + 2))}
     if any(tensor_val(node).dim() != len(layouts[name]) for name, node in (("q", q), ("k", k), ("v", v))):
         return site.refuse(Refusal.UNRECOGNISED_LAYOUT, "q, k or v seen through a view that drops a size-1 dim")
     if tensor_val(site.anchor).dim() != len(layouts["out"]):
@@ -932,6 +956,13 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     run_in_input_precision(site)
     refused = chain_rounding_refusal(site, scores.rounded_to | probs.rounded_to)
     return site.refuse_as(refused) if refused else site
+
+
+def _pv_layout_detail(pv: Optional[BatchedMatmul], probs: _Probs) -> str:
+    if pv is not None and strip_views(pv.lhs.source)[0] in probs.chain:  # CvT's one head, LongT5's one block
+        return ("P @ V: its matmul reads the probabilities through permutes and size-1 views the layout map does "
+                "not follow (e.g. einsum moving a size-1 head or block dim)")
+    return "P @ V"
 
 
 def _reading_of_rank(matmul: BatchedMatmul, batch_rank: int) -> BatchedMatmul:

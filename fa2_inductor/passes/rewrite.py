@@ -16,18 +16,25 @@ import torch
 import torch.fx as fx
 
 from .fx_utils import aten, insert_call, is_backward_node, is_op, same_shape, tensor_val
+from .leading_dims import OP_RANK, GraphBuilder, ValueBuilder, leading_sizes, merge, merge_mask, merges, split
 from .refusals import Refusal
 from .site import AttentionSite, inverse, is_flat
+
 
 def to_op_layout(graph: fx.Graph, node: fx.Node, layout: tuple) -> fx.Node:
     if layout != tuple(range(len(layout))):
         node = insert_call(graph, aten.permute.default, (node, list(layout)))
-    return insert_call(graph, aten.unsqueeze.default, (node, 1)) if is_flat(layout) else node
+    if is_flat(layout):
+        node = insert_call(graph, aten.unsqueeze.default, (node, 1))
+    return merge(GraphBuilder(graph), node) if merges(layout) else node
 
 
-def from_op_layout(graph: fx.Graph, node: fx.Node, layout: tuple) -> fx.Node:
+def from_op_layout(graph: fx.Graph, node: fx.Node, layout: tuple, leading: Optional[list] = None) -> fx.Node:
+    """The op's [B, H, S, D] back in ``layout``; ``leading``: the sizes a merge of leading dims split back to."""
     if is_flat(layout):
         node = insert_call(graph, aten.squeeze.dim, (node, 1))
+    if merges(layout):
+        node = split(GraphBuilder(graph), node, leading)
     if layout != tuple(range(len(layout))):
         node = insert_call(graph, aten.permute.default, (node, list(inverse(layout))))
     return node
@@ -36,7 +43,16 @@ def from_op_layout(graph: fx.Graph, node: fx.Node, layout: tuple) -> fx.Node:
 def value_in_op_layout(value: torch.Tensor, layout: tuple) -> torch.Tensor:
     """The same transform as ``to_op_layout``, applied to a (fake) tensor."""
     value = value.permute(layout)
-    return value.unsqueeze(1) if is_flat(layout) else value
+    if is_flat(layout):
+        value = value.unsqueeze(1)
+    return merge(ValueBuilder(), value) if merges(layout) else value
+
+
+def _merged_leading_sizes(build, site: AttentionSite) -> Optional[list]:
+    """q's leading sizes in the op's dim order where the site's layout merges them (else None)."""
+    layout = site.layouts["q"]
+    q = site.q if isinstance(build, GraphBuilder) else tensor_val(site.q)
+    return leading_sizes(build, q, layout) if merges(layout) else None
 
 
 def mask_value_in_op_layout(site: AttentionSite) -> Optional[torch.Tensor]:
@@ -52,6 +68,9 @@ def mask_value_in_op_layout(site: AttentionSite) -> Optional[torch.Tensor]:
             mask = mask + tensor_val(extra)
     else:
         return None
+    leading = _merged_leading_sizes(ValueBuilder(), site)
+    if leading is not None:
+        return merge_mask(ValueBuilder(), mask, leading)
     return mask.unsqueeze(1) if is_flat(site.layouts["q"]) and mask.dim() == 3 else mask
 
 
@@ -170,6 +189,8 @@ def _mask_gradient_mappable(site: AttentionSite, region: set) -> bool:
         return False
     if not any(user in region for user in site.mask.users):  # e.g. alpha * mask, built for the op
         return False
+    if merges(site.layouts["q"]) and mask.dim() >= OP_RANK:  # the op gets a merged copy of it
+        return False
     return not (is_flat(site.layouts["q"]) and mask.dim() == 3)
 
 
@@ -227,7 +248,7 @@ def rewrite_site(site: AttentionSite, backward: Optional[BackwardRegion]) -> Non
                            float(site.softcap), site.sinks))
         out = insert_call(graph, operator.getitem, (fwd, 0))
         lse = insert_call(graph, operator.getitem, (fwd, 1))
-        result = from_op_layout(graph, out, site.layouts["out"])
+        result = from_op_layout(graph, out, site.layouts["out"], _merged_leading_sizes(GraphBuilder(graph), site))
     site.anchor.replace_all_uses_with(result)
     if "partitioner_tag" in site.anchor.meta:
         _tag_new_nodes(graph, existing, backward=False)
@@ -249,6 +270,9 @@ def _mask_in_op_layout(graph: fx.Graph, site: AttentionSite) -> Optional[fx.Node
             mask = insert_call(graph, aten.logical_not.default, (mask,))
     else:
         return None
+    leading = _merged_leading_sizes(GraphBuilder(graph), site)
+    if leading is not None:
+        return merge_mask(GraphBuilder(graph), mask, leading)
     if is_flat(site.layouts["q"]) and tensor_val(mask).dim() == 3:
         mask = insert_call(graph, aten.unsqueeze.default, (mask, 1))
     return mask
@@ -267,7 +291,8 @@ def _rewrite_backward(site: AttentionSite, backward: BackwardRegion, saved: tupl
                           (grad_out, q, k, v, out, lse, mask, site.scale, site.is_causal, mask_grad, site.window_left,
                            float(site.softcap), site.sinks))
         grads = {name: insert_call(graph, operator.getitem, (bwd, i)) for i, name in enumerate("qkv")}
-        grads = {name: from_op_layout(graph, g, site.layouts[name]) for name, g in grads.items()}
+        leading = _merged_leading_sizes(GraphBuilder(graph), site)  # k's and v's too (leading_dims_agree)
+        grads = {name: from_op_layout(graph, g, site.layouts[name], leading) for name, g in grads.items()}
         if mask_grad:  # reduced to the mask's own shape by the op
             grads["mask"] = insert_call(graph, operator.getitem, (bwd, 3))
         for factor, divide in site.symbolic_scale:  # q was scaled before the op: chain rule

@@ -10,6 +10,7 @@ import torch
 
 from .. import _cuda, config, ops
 from .fx_utils import same_shape, tensor_val
+from .leading_dims import leading_dims_agree, merges
 from .refusals import Refusal, Refused
 from .rewrite import mask_value_in_op_layout, value_in_op_layout
 from .site import AttentionSite
@@ -129,6 +130,10 @@ def backward_refusal_reason(site: AttentionSite) -> Optional[Refused]:
 
 def refusal_reason(site: AttentionSite) -> Optional[Refused]:
     """The refusal when the site must stay as it is; None when the op takes it."""
+    values = {name: tensor_val(node) for name, node in (("q", site.q), ("k", site.k), ("v", site.v), ("out", site.anchor))}
+    if merges(site.layouts["q"]) and not leading_dims_agree(values, site.layouts):
+        return Refused(Refusal.UNRECOGNISED_LAYOUT, "q, k, v and the output split their batched product's batch "
+                       "into other leading dims")
     call = _op_call(site)
     q, k, v, mask = call.q, call.k, call.v, call.mask
     if q.dtype not in _OP_DTYPES:

@@ -53,11 +53,14 @@ def undoes_a_view(node: fx.Node) -> bool:
     return same_shape(tensor_val(node.args[0].args[0]).shape, tensor_val(node).shape)
 
 
-def strip_views(node: fx.Node, unit_views: bool = True, keep_shared: bool = False) -> tuple[fx.Node, list[Optional[int]]]:
+def strip_views(node: fx.Node, unit_views: bool = True, keep_shared: bool = False,
+                source_rank: Optional[int] = None) -> tuple[fx.Node, list[Optional[int]]]:
     """(source, dims): ``node`` shows ``source`` through permutes and (if ``unit_views``) size-1 dims.
 
     ``dims[i]`` is the source dim that ``node``'s dim i shows, or None for an inserted size-1 dim.
     With ``keep_shared``, a view that other ops read too is the source (its gradient is not only ours).
+    With ``source_rank``, a size-1 view whose input leads to a source of another rank is the source
+    (XLNet's v: a [I, B, N, D] view of einsum's [I, B, 1, N, D] product).
     """
     if not isinstance(node, fx.Node) or tensor_val(node) is None:
         return node, []
@@ -65,7 +68,13 @@ def strip_views(node: fx.Node, unit_views: bool = True, keep_shared: bool = Fals
     def through(view_input: fx.Node):
         if keep_shared and len(forward_users(view_input)) > 1:
             return view_input, list(range(tensor_val(view_input).dim()))
-        return strip_views(view_input, unit_views, keep_shared)
+        return strip_views(view_input, unit_views, keep_shared, source_rank)
+
+    def through_unit_view(view_input: fx.Node):
+        source, dims = through(view_input)
+        if source_rank is not None and tensor_val(source).dim() != source_rank:
+            return None
+        return source, dims
 
     if _is_identity(node):
         return through(node.args[0])
@@ -74,12 +83,14 @@ def strip_views(node: fx.Node, unit_views: bool = True, keep_shared: bool = Fals
     if ops.calls(node, *ops.PERMUTE):
         source, dims = through(node.args[0])
         return source, [dims[i] for i in ops.arg(node, "dims")]
-    if ops.calls(node, *ops.UNSQUEEZE) and unit_views:
-        source, dims = through(node.args[0])
+    found = through_unit_view(node.args[0]) if unit_views and ops.calls(node, *ops.UNSQUEEZE) else None
+    if found:
+        source, dims = found
         at = ops.arg(node, "dim") % (len(dims) + 1)
         return source, dims[:at] + [None] + dims[at:]
-    if unit_views and _is_unit_view(node):
-        source, dims = through(node.args[0])
+    found = through_unit_view(node.args[0]) if unit_views and _is_unit_view(node) else None
+    if found:
+        source, dims = found
         src_shape = tensor_val(node.args[0]).shape
         kept = iter([dims[i] for i in _non_unit(src_shape)])
         return source, [None if same_size(s, 1) else next(kept) for s in tensor_val(node).shape]
@@ -130,6 +141,7 @@ class BatchedMatmul:
     rhs: Operand
     batch_rank: int
     bias: Optional[fx.Node] = None
+    out_layout: Optional[tuple] = None  # ``out.permute(out_layout)`` is the product in its order (None: out is)
 
 
 def is_outer_product(node: fx.Node) -> bool:
@@ -183,8 +195,8 @@ def _operand(bmm_arg: fx.Node, rank: int, scale_of=None) -> Optional[Operand]:
         kept = [0, 1, 2]
     # Through size-1 views first (einsum); without them when that leaves a tensor of another rank
     # (e.g. MQA's [B, 1, G, S, D] -> [B, G, S, D] repeat, which must stay the operand).
-    for unit_views in (True, False):
-        source, source_dims = strip_views(node, unit_views, keep_shared=True)
+    for unit_views, source_rank in ((True, None), (False, None), (True, rank)):
+        source, source_dims = strip_views(node, unit_views, keep_shared=True, source_rank=source_rank)
         dims = [source_dims[i] for i in kept]
         if None not in dims and len(set(dims)) == rank and tensor_val(source).dim() == rank:
             return Operand(source, dims, factors)
@@ -213,15 +225,20 @@ def batched_matmul(node: fx.Node, with_bias: bool = False, scale_of=None) -> Opt
     return readings[0] if readings else None
 
 
-def batched_matmul_readings(node: fx.Node, with_bias: bool = False, scale_of=None) -> list[BatchedMatmul]:
+def batched_matmul_readings(node: fx.Node, with_bias: bool = False, scale_of=None,
+                            permuted_out: bool = False) -> list[BatchedMatmul]:
     """Every reading of ``node`` as a logical batched matmul, ``batched_matmul``'s first. With one head, a
-    [B, 1, M, K] view of a [B, M, K] product is both a 3-D product and a 4-D one split as [B, 1]."""
-    readings = [_batched_matmul(node, unit_views, with_bias, scale_of) for unit_views in (True, False)]
+    [B, 1, M, K] view of a [B, M, K] product is both a 3-D product and a 4-D one split as [B, 1].
+    With ``permuted_out``, ``node`` may also be a permutation of the product's split (einsum's
+    ``bnij,bjnd->bind`` leaves it so); ``out_layout`` then holds that permutation."""
+    readings = [_batched_matmul(node, unit_views, with_bias, scale_of, permuted_out) for unit_views in (True, False)]
     return [r for i, r in enumerate(readings) if r is not None and r not in readings[:i]]
 
 
-def _batched_matmul(node: fx.Node, unit_views: bool, with_bias: bool, scale_of) -> Optional[BatchedMatmul]:
+def _batched_matmul(node: fx.Node, unit_views: bool, with_bias: bool, scale_of,
+                    permuted_out: bool = False) -> Optional[BatchedMatmul]:
     source, dims = strip_views(node, unit_views)
+    out_layout = None
     rank = tensor_val(node).dim()
     if is_batched_product(source, with_bias) and rank > 3 and dims == [None] * (rank - 3) + [0, 1, 2]:
         bmm = source  # a batch of 1 x H: the split of N into batch dims is a unit view
@@ -231,8 +248,12 @@ def _batched_matmul(node: fx.Node, unit_views: bool, with_bias: bool, scale_of) 
         bmm = _through_identities(source.args[0])  # matmul's 3-D result keeps a view of its own shape
         shape, bmm_shape = tensor_val(source).shape, tensor_val(bmm).shape
         kept = _split_dims(shape, bmm_shape)
-        if kept is None or [d for d in dims if d is not None] != kept:
+        if kept is None:
             return None
+        if [d for d in dims if d is not None] != kept:
+            if not (permuted_out and None not in dims and sorted(dims) == kept):
+                return None
+            out_layout = tuple(dims.index(d) for d in kept)
         rank = len(kept)
     else:
         return None
@@ -242,7 +263,7 @@ def _batched_matmul(node: fx.Node, unit_views: bool, with_bias: bool, scale_of) 
     lhs, rhs = _operand(lhs_arg, rank, scale_of), _operand(rhs_arg, rank, scale_of)
     if lhs is None or rhs is None:
         return None
-    return BatchedMatmul(bmm, node, lhs, rhs, rank - 2, bias)
+    return BatchedMatmul(bmm, node, lhs, rhs, rank - 2, bias, out_layout)
 
 
 def repeated_heads(node: fx.Node) -> Optional[tuple[fx.Node, int]]:
