@@ -213,6 +213,11 @@ def test_decode_rule_reads_the_size_hint_of_a_symbolic_sq(cuda_rules, seq_q, ver
         assert record.rewritten, record
 
 
+def test_decode_steps_are_explained_as_rewritten(cuda_rules):
+    text = str(fa2_inductor.explain(_decode_sdpa, *qkv(seq_q=1, seq_k=KEYS)))
+    assert "rewritten" in text and "decode_step" not in text, text
+
+
 def test_decode_refusal_is_explained(cuda_rules):
     text = str(fa2_inductor.explain(_decode_sdpa, *qkv(seq_q=1, seq_k=SEQ_K)))
     assert (f"refused: decode_step (Sq=1 query rows against Sk={SEQ_K} keys: below {KEYS} keys the decode kernel's "
