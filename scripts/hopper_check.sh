@@ -20,6 +20,7 @@
 #   train-bench python -m fa2_inductor.bench --backward --json backward.json (forward+backward, backward alone)
 #   overhead    python -m fa2_inductor.bench --overhead --json overhead.json (µs per call next to SDPA)
 #   score-mods  python -m fa2_inductor.bench --score-mods --json score_mods.json (soft-capping and sinks)
+#   decode      python -m fa2_inductor.bench --decode --json decode.json (decode steps vs every SDPA backend)
 #   e2e         python -m fa2_inductor.bench_e2e --json e2e.json (E2E_ARGS adds options, quotes allowed)
 #   zoo         python -m fa2_inductor.bench_e2e --zoo --json zoo.json (real model shapes with attention_mask)
 #   suite       the README's test command, python -m pytest -q tests, with the same per-test cut -> suite.log
@@ -42,7 +43,7 @@ RESULTS=$(cd "${1:-./hopper_results}" && pwd)
 cd "$ROOT"
 PY=${PYTHON:-$(command -v python || command -v python3)}
 [[ -n $PY ]] || { echo "no python on PATH (set PYTHON)"; exit 2; }
-STAGES=${STAGES:-env,build,gpu-tests,sanitize,bench,mask-bench,train-bench,overhead,score-mods,e2e,zoo,suite,report}
+STAGES=${STAGES:-env,build,gpu-tests,sanitize,bench,mask-bench,train-bench,overhead,score-mods,decode,e2e,zoo,suite,report}
 BUDGET_S=${BUDGET_S:-3600}
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-300}
 START=$(date +%s)
@@ -211,6 +212,7 @@ stage_bench_mode() {
 stage_train_bench() { stage_bench_mode backward --backward; }
 stage_overhead() { stage_bench_mode overhead --overhead; }
 stage_score_mods() { stage_bench_mode score_mods --score-mods; }
+stage_decode() { stage_bench_mode decode --decode; }
 
 stage_zoo() {
   limited "$PY" -m fa2_inductor.bench_e2e --zoo --json "$RESULTS/zoo.json" --plot "$RESULTS/zoo.png" \
@@ -262,7 +264,7 @@ PY
 stage_report() {
   write_summary_json
   local files=()
-  for f in summary.json bench.json mask_bench.json backward.json overhead.json score_mods.json e2e.json zoo.json; do [[ -f $RESULTS/$f ]] && files+=("$RESULTS/$f"); done
+  for f in summary.json bench.json mask_bench.json backward.json overhead.json score_mods.json decode.json e2e.json zoo.json; do [[ -f $RESULTS/$f ]] && files+=("$RESULTS/$f"); done
   limited "$PY" -m fa2_inductor.bench.results "${files[@]}" -o "$RESULTS/results.md" > "$RESULTS/report.log" 2>&1
   local rc=$?
   RESULT="results.md from ${#files[@]} JSON files"
@@ -282,6 +284,7 @@ run_stage mask-bench 300 stage_mask_bench
 run_stage train-bench 900 stage_train_bench
 run_stage overhead 120 stage_overhead
 run_stage score-mods 300 stage_score_mods
+run_stage decode 300 stage_decode
 run_stage e2e 900 stage_e2e
 run_stage zoo 1200 stage_zoo
 run_stage suite 2400 stage_suite
