@@ -20,6 +20,7 @@ from .fx_utils import forward_users, insert_call, is_op, is_joint_graph, same_sh
 from .mask_structure import constant_after_casts, constant_value, finite_by_construction, strip_value_preserving
 from .precision import chain_rounding_refusal, run_in_input_precision
 from .refusals import Refusal, Refused
+from .sink_gate import sink_gate
 from .site import BHSD, FLAT, AttentionSite
 from .views import BatchedMatmul, Operand, batched_matmul, batched_matmul_readings, is_batched_product, repeated_heads, strip_views, undoes_a_view
 
@@ -56,7 +57,8 @@ def softmax_at(node: fx.Node) -> Optional[Softmax]:
     if not ops.calls(node, *ops.overloads(torch.ops.aten.div, "Tensor")) or not isinstance(node.args[1], fx.Node):
         return None
     exp, total = node.args
-    if not (ops.calls(exp, *ops.EXP) and ops.calls(total, *ops.SUM) and total.args[0] is exp and ops.calls(exp.args[0], *ops.SUB)):
+    if not (ops.calls(exp, *ops.EXP) and ops.calls(total, *ops.SUM) and ops.arg(total, "keepdim") is True
+            and total.args[0] is exp and ops.calls(exp.args[0], *ops.SUB)):
         return None
     x, row_max = exp.args[0].args
     if not (ops.calls(row_max, *ops.AMAX) and row_max.args[0] is x):
@@ -924,7 +926,9 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     site.extra_masks, site.mask_negated = scores.masks[1:], scores.mask_negated
     site.softcap = scores.softcap
     site.sinks = sinks
-    if sinks is not None and layouts["q"] == FLAT:
+    if sinks is None:
+        _take_sink_gate(site, softmax)
+    if site.sinks is not None and layouts["q"] == FLAT:
         return site.refuse(Refusal.UNRECOGNISED_LAYOUT, "sinks over scores with batch and heads merged")
     _map_repeated_kv(site)
     if _upcast(softmax):
@@ -932,6 +936,14 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     run_in_input_precision(site)
     refused = chain_rounding_refusal(site, scores.rounded_to | probs.rounded_to)
     return site.refuse_as(refused) if refused else site
+
+
+def _take_sink_gate(site: AttentionSite, softmax: Softmax) -> None:
+    """Granite SWA's ``(P @ V) * sigmoid(lse - sinks)``: the site's output is the gated one, with sinks."""
+    gate = sink_gate(softmax.input, softmax.dim, site.anchor)
+    if gate is not None:
+        site.anchor, site.sinks = gate
+        site.notes.append("sinks as an output gate")
 
 
 def _reading_of_rank(matmul: BatchedMatmul, batch_rank: int) -> BatchedMatmul:
