@@ -357,3 +357,10 @@ def same_computation(a, b, depth: int = 8) -> bool:
         return False
     return same_computation(list(a.args), list(b.args), depth - 1) and all(
         same_computation(a.kwargs[key], b.kwargs[key], depth - 1) for key in a.kwargs)
+
+
+def without_negations(condition, negated: bool) -> tuple:
+    """(c, n) with ``condition`` read as ``c`` (negated when n) through bool negations."""
+    while is_op(condition, *_NOT_OPS) and _is_bool_node(condition.args[0]):
+        condition, negated = condition.args[0], not negated
+    return condition, negated

@@ -17,7 +17,8 @@ import torch.fx as fx
 
 from . import op_table as ops
 from .fx_utils import forward_users, insert_call, is_op, is_joint_graph, same_shape, same_size, scalar_value, tensor_val
-from .mask_structure import constant_after_casts, constant_value, finite_by_construction, same_computation, strip_value_preserving
+from .mask_structure import (constant_after_casts, constant_value, finite_by_construction, same_computation,
+                             strip_value_preserving, without_negations)
 from .precision import chain_rounding_refusal, run_in_input_precision
 from .refusals import Refusal, Refused
 from .sink_gate import sink_gate
@@ -556,7 +557,8 @@ def _zeroes_masked_probs(scores: _Scores, condition: fx.Node, negated: bool, fil
     zeroing as accounted for (``_zeroing_refusal`` checks the other masks)."""
     if scores.zeroed is None or scores.zeroed_fill is not None:
         return False
-    zeroed, zeroed_where_true = scores.zeroed
+    zeroed, zeroed_where_true = without_negations(*scores.zeroed)
+    condition, negated = without_negations(condition, negated)
     if zeroed_where_true != negated or not same_computation(zeroed, condition):
         return False
     scores.zeroed_fill = fill

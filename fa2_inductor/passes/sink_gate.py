@@ -34,15 +34,19 @@ def sink_gate(scores: fx.Node, dim: int, attention: fx.Node) -> Optional[tuple[f
     difference = _sigmoid_argument(factor, out_shape)
     if difference is None:
         return None
-    lse, sinks = ops.arg(difference, "self"), _per_head(ops.arg(difference, "other"), scores_shape[1])
+    lse = _strip_float_casts(ops.arg(difference, "self"))
+    sinks = _per_head(ops.arg(difference, "other"), scores_shape[1])
     if sinks is None or not _is_logsumexp(lse, scores, dim):
         return None
     return gated, sinks
 
 
+def _dtype(node: fx.Node):
+    return tensor_val(node).dtype
+
+
 def _strip_float_casts(node):
-    while ops.calls(node, *ops.CAST) and tensor_val(node.args[0]).dtype.is_floating_point \
-            and tensor_val(node).dtype.is_floating_point:
+    while ops.calls(node, *ops.CAST) and _dtype(node.args[0]).is_floating_point and _dtype(node).is_floating_point:
         node = node.args[0]  # a rounding of the gate: eager's imprecision, which the op does not copy
     return node
 
@@ -122,8 +126,11 @@ def _dims(node: fx.Node, name: str) -> Optional[list]:
 
 
 def _reads(x: fx.Node, scores: fx.Node) -> bool:
-    """``x`` is the scores, or what a widening cast turned into them (an upcast for the softmax)."""
-    node = scores
-    while node is not x and ops.calls(node, *ops.CAST) and ops.widens(tensor_val(node.args[0]).dtype, tensor_val(node).dtype):
+    """``x`` and the scores are one tensor, each maybe widened (upcast for the softmax, or for the lse)."""
+    return _before_widening(x) is _before_widening(scores)
+
+
+def _before_widening(node: fx.Node) -> fx.Node:
+    while ops.calls(node, *ops.CAST) and ops.widens(_dtype(node.args[0]), _dtype(node)):
         node = node.args[0]
-    return node is x
+    return node
