@@ -10,6 +10,9 @@ import math
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fa2_inductor.passes.mask_structure import same_computation
 
 from tests.pass_checks import compile_and_compare, pass_counts, qkv
 
@@ -195,8 +198,25 @@ def test_a_gate_that_is_no_sink_is_refused(cpu_pass, name):
     assert pass_counts() == {f"refused:{reason}": 1}
 
 
-def test_a_sink_gate_in_training_is_refused_while_its_gradient_is_not_mapped(cpu_pass):
+@pytest.mark.parametrize("sinks_learnt", [False, True], ids=["frozen_sinks", "learnt_sinks"])
+def test_a_sink_gate_in_training(cpu_pass, sinks_learnt):
+    """Gradients reach q, k and v through the op's backward; a sinks gradient is not mapped yet: refused."""
     q, k, v, mask, sinks = _sink_inputs()
-    q, k, v, sinks = (t.requires_grad_() for t in (q, k, v, sinks))
-    compile_and_compare(_sink_gate(), q, k, v, mask, sinks, rewrites=0, train=True)
-    assert pass_counts() == {"refused:training_gradient_unmapped": 1}
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    sinks.requires_grad_(sinks_learnt)
+    compile_and_compare(_sink_gate(), q, k, v, mask, sinks, rewrites=int(not sinks_learnt), train=True)
+    if sinks_learnt:
+        assert pass_counts() == {"refused:training_gradient_unmapped": 1}
+
+
+# --- the same mask built twice, as the zeroing's match reads it ------------------------------------------
+def test_same_computation_compares_how_masks_are_built():
+    def fn(x, y):
+        built = [x == torch.tensor(0.0), x == torch.tensor(0.0), x == torch.tensor(1.0), y == torch.tensor(0.0)]
+        return built + [torch.rand(3) > 0.5, torch.rand(3) > 0.5]
+    graph = make_fx(fn)(torch.zeros(3), torch.zeros(3)).graph
+    masks = next(n for n in graph.nodes if n.op == "output").args[0]
+    assert same_computation(masks[0], masks[1])
+    assert not same_computation(masks[0], masks[2])  # another constant
+    assert not same_computation(masks[0], masks[3])  # another input
+    assert not same_computation(masks[4], masks[5])  # two draws
