@@ -331,3 +331,36 @@ def _evaluate(nodes: list[fx.Node]):
         values[node] = node.target(*args, **kwargs)
     return values[nodes[-1]]
 
+
+
+def same_computation(a, b, depth: int = 8) -> bool:
+    """``a`` and ``b`` compute the same values: one node, equal numbers or single-valued constants, or the
+    same op on arguments that are the same computation (a mask built twice, e.g. ``mask == False`` once
+    for the scores and once for the probabilities). Graph inputs and other nodes compare by identity."""
+    if a is b:
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_computation(x, y, depth) for x, y in zip(a, b))
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+        return type(a) is type(b) and a == b
+    value_a, value_b = tensor_val(a), tensor_val(b)
+    if value_a is not None and value_b is not None and value_a.dim() == value_b.dim() == 0 \
+            and value_a.dtype == value_b.dtype:
+        constant = constant_value(a)
+        if constant is not None and constant == constant_value(b):
+            return True
+    if depth == 0 or a.op != "call_function" or b.op != "call_function" or a.target != b.target:
+        return False
+    if torch.Tag.nondeterministic_seeded in getattr(a.target, "tags", ()):  # two draws differ
+        return False
+    if a.kwargs.keys() != b.kwargs.keys():
+        return False
+    return same_computation(list(a.args), list(b.args), depth - 1) and all(
+        same_computation(a.kwargs[key], b.kwargs[key], depth - 1) for key in a.kwargs)
+
+
+def without_negations(condition, negated: bool) -> tuple:
+    """(c, n) with ``condition`` read as ``c`` (negated when n) through bool negations."""
+    while is_op(condition, *_NOT_OPS) and _is_bool_node(condition.args[0]):
+        condition, negated = condition.args[0], not negated
+    return condition, negated

@@ -17,9 +17,11 @@ import torch.fx as fx
 
 from . import op_table as ops
 from .fx_utils import forward_users, insert_call, is_op, is_joint_graph, same_shape, same_size, scalar_value, tensor_val
-from .mask_structure import constant_after_casts, constant_value, finite_by_construction, strip_value_preserving
+from .mask_structure import (constant_after_casts, constant_value, finite_by_construction, same_computation,
+                             strip_value_preserving, without_negations)
 from .precision import chain_rounding_refusal, run_in_input_precision
 from .refusals import Refusal, Refused
+from .sink_gate import sink_gate
 from .site import BHSD, FLAT, AttentionSite
 from .views import BatchedMatmul, Operand, batched_matmul, batched_matmul_readings, is_batched_product, repeated_heads, strip_views, undoes_a_view
 
@@ -56,7 +58,8 @@ def softmax_at(node: fx.Node) -> Optional[Softmax]:
     if not ops.calls(node, *ops.overloads(torch.ops.aten.div, "Tensor")) or not isinstance(node.args[1], fx.Node):
         return None
     exp, total = node.args
-    if not (ops.calls(exp, *ops.EXP) and ops.calls(total, *ops.SUM) and total.args[0] is exp and ops.calls(exp.args[0], *ops.SUB)):
+    if not (ops.calls(exp, *ops.EXP) and ops.calls(total, *ops.SUM) and ops.arg(total, "keepdim") is True
+            and total.args[0] is exp and ops.calls(exp.args[0], *ops.SUB)):
         return None
     x, row_max = exp.args[0].args
     if not (ops.calls(row_max, *ops.AMAX) and row_max.args[0] is x):
@@ -136,6 +139,10 @@ class _Scores:
     clamped: bool = False  # under a clamp at the lowest finite value: a -inf inside it would become finite
     softcap: float = 0.0  # cap * tanh(scores / cap) met on the way up; the masks met before it come after it
     masks_after_softcap: int = 0
+    bool_mask_where: Optional[fx.Node] = None  # the where() whose -inf fill gave the bool mask
+    zeroed: Optional[tuple] = None  # (condition, zeroed where True): the probabilities zeroed after the softmax
+    zeroed_fill: Optional[float] = None  # the fill of the mask that hides the keys zeroed, once found
+    product_terms: int = 0  # masks that are terms computed from other products (relative positions)
     refused: Optional[Refused] = None
 
 
@@ -144,9 +151,10 @@ def _is_bool(node) -> bool:
     return value is not None and value.dtype == torch.bool
 
 
-def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
-    """From the softmax input up to the q @ kᵀ matmul, collecting scale factors, masks and casts."""
-    x, scores = softmax.input, _Scores(rounded_to=set(softmax.rounded_to))
+def _walk_up_scores(softmax: Softmax, zeroed: Optional[tuple] = None) -> Optional[_Scores]:
+    """From the softmax input up to the q @ kᵀ matmul, collecting scale factors, masks and casts (``zeroed``:
+    the probabilities' zeroing, see ``_zeroes_masked_probs``)."""
+    x, scores = softmax.input, _Scores(rounded_to=set(softmax.rounded_to), zeroed=zeroed)
     for _ in range(24):
         if scores.merged_heads is None:
             scores.matmul = batched_matmul(x, with_bias=True, scale_of=_scale_factor)
@@ -174,8 +182,10 @@ def _walk_up_scores(softmax: Softmax) -> Optional[_Scores]:
         elif _subtracts_mask(x):
             x = _add_mask(scores, x.args[0], _negated_mask(x), x)
         elif scores.merged_heads is None and _split_sum(x):
-            scores.refused = Refused(Refusal.UNRECOGNISED_LAYOUT, "an additive term summed with [B*H, M, K] scores, "
-                                     "then viewed as [B, H, M, K]")
+            x = _sum_of_views(x)
+            if x is None:
+                scores.refused = Refused(Refusal.UNRECOGNISED_LAYOUT, "a term broadcast against [B*H, M, K] scores, "
+                                         "the sum then viewed as [B, H, M, K]")
         elif ops.calls(x, *ops.WHERE):
             x = _where_mask(scores, x)
         elif undoes_a_view(x):
@@ -284,6 +294,7 @@ def _add_of_bias_from_products(scores: _Scores, add: fx.Node) -> Optional[fx.Nod
         scores.refused = Refused(Refusal.TRAINING_GRADIENT_UNMAPPED, "an additive term computed from other "
                                  "products (relative positions): its gradient also flows into their inputs")
         return x
+    scores.product_terms += 1
     return _add_mask(scores, x, mask, add)
 
 
@@ -293,7 +304,7 @@ def _direct_product(node, steps: int = 8) -> Optional[fx.Node]:
     for _ in range(steps):
         if not isinstance(node, fx.Node) or tensor_val(node) is None:
             return None
-        matmul = batched_matmul(node, with_bias=True)
+        matmul = batched_matmul(node, with_bias=True, scale_of=_scale_factor)
         if matmul is not None:
             return matmul.bmm
         scaled = _scale_factor(node)
@@ -336,12 +347,11 @@ def _add_mask(scores: _Scores, x: fx.Node, mask: fx.Node, add: fx.Node) -> fx.No
         scores.refused = _clamp_over_infinities()
     elif any(isinstance(factor, fx.Node) for factor, _ in scores.factors):
         scores.refused = Refused(Refusal.SCALE_AFTER_MASK, "a mask, then a scale that is a tensor")
-    elif scores.mask_negated or any(_is_bool(m) for m in scores.masks):
-        scores.refused = Refused(Refusal.SEVERAL_MASKS)
     elif any(not ops.widens(_dtype(mask), d) for d in scores.rounded_to):
         scores.refused = Refused(Refusal.VALUE_CHANGING_CAST, f"a {_dtype(mask)} mask rounded to "
                                  f"{', '.join(sorted(map(str, scores.rounded_to)))} with the scores")
     else:
+        _bool_mask_as_additive(scores)
         if alpha != 1 and mask is b:
             mask = _scaled_mask(mask, alpha, add)
         if scores.factors:
@@ -370,12 +380,31 @@ def _negated_mask(sub: fx.Node) -> fx.Node:
 
 def _split_sum(view: fx.Node) -> bool:
     """``(s + t).view(B, H, M, K)`` of [B*H, M, K] scores: DeBERTa-v2 adds its relative-position terms to
-    the 3-D scores, then masks and normalises a 4-D view of the sum (refused: the walk reads masks on the
-    scores' own view only)."""
+    the 3-D scores, then masks and normalises a 4-D view of the sum."""
     if not ops.calls(view, *ops.VIEW) or not ops.calls(view.args[0], *ops.ADD):
         return False
     shape, merged = tensor_val(view).shape, tensor_val(view.args[0]).shape
     return len(merged) == 3 and len(shape) == 4 and same_shape(shape[2:], merged[1:])
+
+
+def _sum_of_views(view: fx.Node) -> Optional[fx.Node]:
+    """Replaces ``view(s + t)`` by ``view(s) + view(t)`` (the same values: splitting the batch dim is a view
+    of any tensor), so that the walk reads t as a term added to the scores' [B, H, M, K] view, and t stays
+    inside the site; None when a term broadcasts (its view would be another shape)."""
+    add = view.args[0]
+    terms = [ops.arg(add, "self"), ops.arg(add, "other")]
+    if not all(isinstance(t, fx.Node) and same_shape(tensor_val(t).shape, tensor_val(add).shape) for t in terms):
+        return None
+    graph = view.graph
+    with graph.inserting_before(view):
+        views = [insert_call(graph, view.target, (t, *view.args[1:]), dict(view.kwargs)) for t in terms]
+        split = insert_call(graph, add.target, tuple(views), dict(add.kwargs))
+    _tag_like(view, [*views, split])
+    view.replace_all_uses_with(split)
+    graph.erase_node(view)
+    if not add.users:
+        graph.erase_node(add)
+    return split
 
 
 def _clamp_over_infinities() -> Refused:
@@ -416,11 +445,10 @@ def _bias_of_product(scores: _Scores, matmul: BatchedMatmul) -> None:
         scores.refused = Refused(Refusal.NON_FLOAT_ADDITIVE_MASK, str(_dtype(bias)))
     elif len(scores.factors) > (alpha != 1):
         scores.refused = Refused(Refusal.SCALE_AFTER_MASK, "the scores of a baddbmm with a bias are scaled")
-    elif scores.mask_negated or any(_is_bool(m) for m in scores.masks):
-        scores.refused = Refused(Refusal.SEVERAL_MASKS)
     elif any(not ops.widens(_dtype(bias), d) for d in scores.rounded_to):
         scores.refused = Refused(Refusal.VALUE_CHANGING_CAST, f"a {_dtype(bias)} bias rounded with the scores")
     else:
+        _bool_mask_as_additive(scores)
         mask = _bias_as_scores_mask(bias, matmul)
         if mask is None:
             scores.refused = Refused(Refusal.UNRECOGNISED_LAYOUT, "a baddbmm bias over symbolic batch sizes")
@@ -525,23 +553,63 @@ def _where_mask(scores: _Scores, where: fx.Node) -> Optional[fx.Node]:
         scores.refused = _clamp_over_infinities()
     elif scores.factors:
         scores.refused = Refused(Refusal.SCALE_AFTER_MASK)
-    elif fill == float("-inf"):
-        if scores.masks:
-            scores.refused = Refused(Refusal.SEVERAL_MASKS)
-        else:
-            scores.masks.append(_mask_for_flat_scores(condition, scores, where))
-            scores.mask_negated = negated
+    elif (fill <= _ABSORBING_FILL and _zeroes_masked_probs(scores, condition, negated, fill)) or fill == float("-inf"):
+        _add_bool_mask(scores, condition, negated, where)
     elif not (_FLOAT32_MIN <= fill <= _ABSORBING_FILL):
         scores.refused = Refused(Refusal.FINITE_FILL_VALUE, f"fill {fill!r}: only fills <= -2**127 add exactly")
     elif scores.rounded_to:
         scores.refused = Refused(Refusal.FINITE_FILL_VALUE, f"fill {fill!r} rounded to {sorted(map(str, scores.rounded_to))}")
     elif is_joint_graph(where.graph):  # s + fill passes gradients to a fully masked row's scores; where() does not
         scores.refused = Refused(Refusal.FINITE_FILL_VALUE, f"fill {fill!r} in a training graph")
-    elif scores.mask_negated or any(_is_bool(m) for m in scores.masks):
-        scores.refused = Refused(Refusal.SEVERAL_MASKS)
     else:
+        _bool_mask_as_additive(scores)
         scores.masks.append(_mask_for_flat_scores(_fill_as_additive(where, condition, fill, negated), scores, where))
     return x
+
+
+def _zeroes_masked_probs(scores: _Scores, condition: fx.Node, negated: bool, fill: float) -> bool:
+    """The probabilities are zeroed exactly where this mask (with a fill <= -2**127) hides keys (DeBERTa's
+    XSoftmax, Conformer's ``masked_fill(mask, 0)`` after the softmax): the fill then gives what -inf gives
+    with empty rows of zeros. A row with a visible key already has probability 0 (exp underflows) where
+    the fill is; a row with none has a uniform softmax, which the zeroing turns into zeros. Marks the
+    zeroing as accounted for (``_zeroing_refusal`` checks the other masks)."""
+    if scores.zeroed is None or scores.zeroed_fill is not None:
+        return False
+    zeroed, zeroed_where_true = without_negations(*scores.zeroed)
+    condition, negated = without_negations(condition, negated)
+    if zeroed_where_true != negated or not same_computation(zeroed, condition):
+        return False
+    scores.zeroed_fill = fill
+    return True
+
+
+def _zeroing_refusal(scores: _Scores) -> Optional[Refused]:
+    """Why zeroing the probabilities is not what the op's empty rows give (None when it is)."""
+    if scores.zeroed_fill is None:
+        return Refused(Refusal.PROBS_MODIFIED, "zeroed where no mask of the scores hides keys")
+    # A finite fill hides a key only next to a visible score far above it: other masks could bring every
+    # visible score of a row down to it (e.g. a finfo.min padding mask). Terms from products cannot.
+    if math.isfinite(scores.zeroed_fill) and len(scores.masks) > 1 + scores.product_terms:
+        return Refused(Refusal.PROBS_MODIFIED, f"zeroed where a fill of {scores.zeroed_fill!r} hides keys, "
+                                               "beside other masks")
+    return None
+
+
+def _add_bool_mask(scores: _Scores, condition: fx.Node, negated: bool, where: fx.Node) -> None:
+    """A -inf fill: the condition as a bool mask, or an additive -inf one beside other masks."""
+    if scores.masks:
+        additive = _fill_as_additive(where, condition, float("-inf"), negated)
+        scores.masks.append(_mask_for_flat_scores(additive, scores, where))
+    else:
+        scores.masks.append(_mask_for_flat_scores(condition, scores, where))
+        scores.mask_negated, scores.bool_mask_where = negated, where
+
+
+def _bool_mask_as_additive(scores: _Scores) -> None:
+    """Another mask joins a bool one: the bool one becomes ``where(visible, 0, -inf)`` (an exact sum)."""
+    if scores.masks and _is_bool(scores.masks[0]):
+        scores.masks[0] = _fill_as_additive(scores.bool_mask_where, scores.masks[0], float("-inf"), scores.mask_negated)
+        scores.mask_negated = False
 
 
 def _fill_as_additive(where: fx.Node, condition: fx.Node, fill: float, negated: bool) -> fx.Node:
@@ -655,6 +723,7 @@ class _Probs:
     bmm: Optional[fx.Node] = None  # the P @ V matmul
     chain: list = field(default_factory=list)  # the probabilities, cast or copied but in their own shape
     rounded_to: set = field(default_factory=set)
+    zeroed: Optional[tuple] = None  # (condition, zeroed where True) of a where() that zeroes some probabilities
     refused: Optional[Refused] = None
 
 
@@ -674,6 +743,8 @@ def _walk_down_probs(softmax: Softmax) -> Optional[_Probs]:
             return probs if user.args[0] is node else _unrecognised_probs("P is the right operand of its matmul")
         if ops.calls(user, *ops.CAST):
             _judge_cast(probs, _dtype(node), _dtype(user), "on the probabilities")
+        elif probs.zeroed is None and _zeroing(user, node) is not None:
+            probs.zeroed = _zeroing(user, node)
         elif not (_zeroes_empty_rows(user, node, softmax) or ops.calls(user, *_PROBS_LAYOUT)):
             if _reaches_bmm(user):
                 return _modified_probs(user, node, softmax)
@@ -686,6 +757,25 @@ def _walk_down_probs(softmax: Softmax) -> Optional[_Probs]:
             probs.chain.append(user)  # XGLM: P viewed as [B, H, M, K] and back
         node = user
     return _unrecognised_probs("no matmul within 16 ops")
+
+
+def _zeroing(node: fx.Node, probs: fx.Node) -> Optional[tuple]:
+    """(condition, zeroed where True) for ``where(c, 0, probs)`` or ``where(c, probs, 0)`` with a bool c not
+    computed from the scores that keeps the probabilities' shape and dtype; None for anything else."""
+    if not ops.calls(node, *ops.WHERE):
+        return None
+    condition, if_true, if_false = (ops.arg(node, n) for n in ("condition", "self", "other"))
+    if if_false is probs and _fill_value(if_true, node) == 0:
+        zeroed_where_true = True
+    elif if_true is probs and _fill_value(if_false, node) == 0:
+        zeroed_where_true = False
+    else:
+        return None
+    if not _is_bool(condition) or _reaches_matmul(condition) or _dtype(node) != _dtype(probs):
+        return None
+    if not same_shape(tensor_val(node).shape, tensor_val(probs).shape):
+        return None
+    return condition, zeroed_where_true
 
 
 def _unrecognised_probs(detail: str) -> _Probs:
@@ -921,11 +1011,13 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
         return site.refuse(Refusal.SOFTMAX_NOT_LAST_DIM)
     if pv is None or pv.lhs.source not in probs.chain or pv.lhs.dims != list(range(pv.batch_rank + 2)):
         return site.refuse(Refusal.UNRECOGNISED_LAYOUT, _pv_layout_detail(pv, probs))
-    scores = _walk_up_scores(softmax)
+    scores = _walk_up_scores(softmax, probs.zeroed)
     if scores is None:
         return site.refuse(Refusal.UNRECOGNISED_SCORES)
     if scores.refused:
         return site.refuse_as(scores.refused)
+    if probs.zeroed is not None and _zeroing_refusal(scores):
+        return site.refuse_as(_zeroing_refusal(scores))
     scores.matmul = _reading_of_rank(scores.matmul, pv.batch_rank)
     if scores.matmul.batch_rank != pv.batch_rank:
         return site.refuse(Refusal.UNRECOGNISED_LAYOUT, "rank")
@@ -948,7 +1040,9 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     site.extra_masks, site.mask_negated = scores.masks[1:], scores.mask_negated
     site.softcap = scores.softcap
     site.sinks = sinks
-    if sinks is not None and layouts["q"] == FLAT:
+    if sinks is None:
+        _take_sink_gate(site, softmax)
+    if site.sinks is not None and layouts["q"] == FLAT:
         return site.refuse(Refusal.UNRECOGNISED_LAYOUT, "sinks over scores with batch and heads merged")
     _map_repeated_kv(site)
     if _upcast(softmax):
@@ -963,6 +1057,14 @@ def _pv_layout_detail(pv: Optional[BatchedMatmul], probs: _Probs) -> str:
         return ("P @ V: its matmul reads the probabilities through permutes and size-1 views the layout map does "
                 "not follow (e.g. einsum moving a size-1 head or block dim)")
     return "P @ V"
+
+
+def _take_sink_gate(site: AttentionSite, softmax: Softmax) -> None:
+    """Granite SWA's ``(P @ V) * sigmoid(lse - sinks)``: the site's output is the gated one, with sinks."""
+    gate = sink_gate(softmax.input, softmax.dim, site.anchor)
+    if gate is not None:
+        site.anchor, site.sinks = gate
+        site.notes.append("sinks as an output gate")
 
 
 def _reading_of_rank(matmul: BatchedMatmul, batch_rank: int) -> BatchedMatmul:

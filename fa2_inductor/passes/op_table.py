@@ -60,11 +60,16 @@ _SPECS = [
     _rule("default", aten._safe_softmax, "self", "dim", "dtype"),
     _rule("default", aten.amax, "self", "dim", keepdim=True),
     _rule("default", aten.exp, "self"),
-    _rule("dim_IntList", aten.sum, "self", "dim", keepdim=True, dtype=None),
+    _rule("dim_IntList", aten.sum, "self", "dim", "keepdim", dtype=None),  # keepdim: the softmax's True, lse's False
     _rule("Scalar", aten.eq, "self", "other"),
     _rule("default", aten.logical_not, "self"),
     _rule("dim", aten.any, "self", "dim", keepdim=True),
     _rule("dim", aten.all, "self", "dim", keepdim=True),
+    # a sink applied after P @ V as sigmoid(logsumexp(scores) - sink) (sink_gate)
+    _rule("default", aten.logsumexp, "self", "dim", keepdim=False),
+    _rule("default", aten.log, "self"),
+    _rule("default", aten.abs, "self"),
+    _rule("default", aten.sigmoid, "self"),
     # matmul and layout: same values, other views of them
     _rule("default", aten.bmm, "self", "mat2"),
     _rule("default", aten.baddbmm, "self", "batch1", "batch2", "beta", "alpha"),  # the matcher judges beta, alpha
@@ -133,6 +138,11 @@ EQ = overloads(aten.eq, "Scalar")
 NOT = overloads(aten.logical_not, "default")
 ANY = overloads(aten.any, "dim")
 ALL = overloads(aten.all, "dim")
+MUL = overloads(aten.mul, "Tensor")
+LOGSUMEXP = overloads(aten.logsumexp, "default")
+LOG = overloads(aten.log, "default")
+ABS = overloads(aten.abs, "default")
+SIGMOID = overloads(aten.sigmoid, "default")
 BMM = overloads(aten.bmm, "default")
 BADDBMM = overloads(aten.baddbmm, "default")
 # [N, M, 1] * [N, 1, K]: a bmm over a single inner index, as Inductor decomposes one (views.is_outer_product)

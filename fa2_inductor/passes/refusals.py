@@ -30,7 +30,6 @@ class Refusal(str, Enum):
     SOFTCAP = "softcap", "logit soft-capping (tanh) between the scores and the softmax"
     SCORE_TRANSFORM = "score_transform", "an op between q @ kᵀ and the softmax that is no scale, mask or cast"
     SCALE_AFTER_MASK = "scale_after_mask", "the scores are scaled after a mask was applied"
-    SEVERAL_MASKS = "several_masks", "a boolean mask combined with further masks"
     NON_FLOAT_ADDITIVE_MASK = "non_float_additive_mask", "an integer or boolean tensor added to the scores"
     FINITE_FILL_VALUE = "finite_fill_value", "masked scores replaced by a value that is not exactly an additive mask"
     UNSUPPORTED_ARGUMENT = "unsupported_argument", "an op of the chain with an argument that changes its math"
