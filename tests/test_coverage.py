@@ -158,6 +158,19 @@ def test_a_family_is_as_good_as_its_worst_implementation_that_built(statuses, ve
     assert family_status([_row(s, impl) for s, impl in zip(statuses, ("eager", "sdpa"))]) is verdict
 
 
+def test_attention_the_op_cannot_compute_is_listed_but_not_counted():
+    """A family is beyond the op only where every refused site is one the op's input checks reject."""
+    from fa2_inductor.coverage.measure import _refused_status
+
+    assert _refused_status({"not_computable": 1}) is Status.BEYOND_OP
+    assert _refused_status({"not_computable": 1, "softcap": 2}) is Status.PARTIAL
+    rows = [Row("a", "eager", Status.FULL), Row("g", "eager", Status.BEYOND_OP, refusals={"not_computable": 1}),
+            Row("g", "sdpa", Status.FULL)]
+    line = report.summary_line(rows)
+    assert line.startswith("1 of 1 families fully rewritten") and "1 beyond the op" in line
+    assert "eager: not_computable ×1" in report.table(rows, ["eager", "sdpa"])
+
+
 def test_summary_counts_families_and_leaves_out_what_could_not_be_built():
     rows = [Row("a", "eager", Status.FULL), Row("b", "eager", Status.PARTIAL, refusals={"softcap": 2}),
             Row("c", "eager", Status.BUILD_FAILED, error="ValueError: x"), Row("d", "eager", Status.NO_ATTENTION)]

@@ -265,7 +265,7 @@ def _coverage(doc: dict, source: str) -> list[str]:
     table = []
     for family, family_rows in by_family(rows).items():
         status = family_status(family_rows)
-        if status in COUNTED and status is not Status.FULL:
+        if (status in COUNTED and status is not Status.FULL) or status is Status.BEYOND_OP:
             why = "; ".join(f"{row.implementation}: {row.why()}" for row in family_rows if row.why())
             table.append([family, status.value, why.replace("|", "\\|")])  # "max |diff|" inside a table cell
     return lines + _table(["family (not fully rewritten)", "verdict", "why"], sorted(table))

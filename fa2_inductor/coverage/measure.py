@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..passes.refusals import Refusal
 from .results import TOLERANCE, Row, Status
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -128,7 +129,12 @@ def _compile_and_compare(row: Row, model, inputs: dict, expected: torch.Tensor, 
     elif row.sites_total == 0:
         row.status = Status.NO_ATTENTION
     else:
-        row.status = Status.FULL if row.sites_rewritten == row.sites_total else Status.PARTIAL
+        row.status = Status.FULL if row.sites_rewritten == row.sites_total else _refused_status(row.refusals)
+
+
+def _refused_status(refusals: dict) -> Status:
+    """BEYOND_OP where the op's own input checks reject every refused site, PARTIAL otherwise."""
+    return Status.BEYOND_OP if set(refusals) == {str(Refusal.NOT_COMPUTABLE)} else Status.PARTIAL
 
 
 def _max_abs_diff(got: torch.Tensor, expected: torch.Tensor) -> float:

@@ -24,13 +24,15 @@ class Status(str, Enum):
     NO_ATTENTION = "no_attention", "the model computes softmax or SDPA, but the pass recognised no site", True
     TIMED_OUT = "timed_out", "built, but compiling and running it took longer than the time limit", False
     PARTIAL = "partial", "some recognised sites were refused", False
+    BEYOND_OP = ("beyond_op", "every refused site is a call the op's own input checks reject (e.g. a head dim above "
+                 "256): attention the op cannot compute (not counted)", False)
     FULL = "full", "every recognised site rewritten, output equal to the uncompiled model's", False
     ATTENTION_FREE = "attention_free", "the model calls no softmax and no SDPA: nothing to rewrite (not counted)", False
     BUILD_FAILED = "build_failed", "the sweep could not make the model or its inputs (not counted)", False
     NOT_SUPPORTED = "not_supported", "the model class does not offer this attention implementation", False
 
 
-NOT_COUNTED = (Status.ATTENTION_FREE, Status.BUILD_FAILED, Status.NOT_SUPPORTED)
+NOT_COUNTED = (Status.BEYOND_OP, Status.ATTENTION_FREE, Status.BUILD_FAILED, Status.NOT_SUPPORTED)
 COUNTED = [status for status in Status if status not in NOT_COUNTED]
 
 
@@ -65,7 +67,7 @@ class Row:
         """Why the row is not FULL, in a few words ("" when it is)."""
         if self.status in (Status.FULL, Status.NOT_SUPPORTED):
             return ""
-        if self.status is Status.PARTIAL:
+        if self.status in (Status.PARTIAL, Status.BEYOND_OP):
             return ", ".join(f"{reason} ×{count}" for reason, count in sorted(self.refusals.items()))
         if self.status is Status.LOGITS_DIFFER:
             return f"max |diff| {self.max_abs_diff:.3g}" + (f"; {self.note}" if self.note else "")
