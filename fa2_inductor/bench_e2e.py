@@ -1,9 +1,11 @@
 """``python -m fa2_inductor.bench_e2e``: forward time of a whole Llama-shaped model, fa2_inductor against its peers.
 
 A random-weight Llama (hidden 2048, 16 heads, 8 KV heads, 4 layers, bf16) runs, in every variant below
-and in the same process, a forward pass over ``--seqlens`` tokens (prefill; batch 1, no padding) and one
-decode step (1 token against a static or a dynamic KV cache of that many tokens). Each is checked against
-uncompiled SDPA, then timed (median of ``--reps``):
+and in the same process, a forward pass over ``--seqlens`` tokens (prefill; batch 1, no padding), one
+decode step (1 token against a static or a dynamic KV cache of that many tokens) and ``generate()`` of
+32 greedy tokens after a prompt of that many (a static cache, its decode steps compiled the way transformers
+compiles them: CUDA graphs, the variant's backend; timed per new token). Each is checked against
+uncompiled SDPA (logits; generate: the tokens), then timed (median of ``--reps``):
 
     eager                      attn_implementation="eager", no compile
     eager-attn + Inductor      "eager",  torch.compile(backend="inductor")
@@ -36,7 +38,8 @@ from .bench import environment, exit_without_cuda, time_calls, write_json, zoo
 from .bench.timing import keep_busy
 
 BASELINE = "sdpa + Inductor"
-PHASES = ("prefill", "decode", "decode_dynamic")
+PHASES = ("prefill", "decode", "decode_dynamic", "generate")
+GENERATED_TOKENS = 32  # new tokens per timed generate() call
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class Result:
     reference_fallbacks: int = 0  # op calls that ran the slow reference on the GPU (should be 0)
     counters: dict = field(default_factory=dict)  # every fa2_inductor counter (rewrite forms, refusals)
     max_abs_diff: Optional[float] = None
+    tokens_differing: Optional[int] = None  # generate: new tokens unlike uncompiled SDPA's
     error: Optional[str] = None
 
 
@@ -126,6 +130,61 @@ class Workload:
         return forward(**self.kwargs).logits
 
 
+class Generation:
+    """``generate()`` of GENERATED_TOKENS greedy tokens after a prompt of seqlen tokens, with a StaticCache.
+
+    transformers compiles the decode steps itself (CompileConfig, mode "reduce-overhead": CUDA graphs on a GPU)
+    with the variant's backend, and leaves the prefill uncompiled; uncompiled variants run with disable_compile.
+    Timed per new token: generate(GENERATED_TOKENS) minus generate(1), over the decode steps between.
+    """
+
+    phase = "generate"
+
+    def __init__(self, shape: dict, dtype, device, seqlen: int):
+        self.seqlen = seqlen
+        ids = torch.randint(0, shape["vocab_size"], (1, seqlen), generator=torch.Generator().manual_seed(1))
+        self.ids = ids.to(device)
+        reference_model = build_model(shape, "sdpa", dtype, device, seqlen + GENERATED_TOKENS)
+        with torch.no_grad():
+            self.reference = self.tokens(reference_model, None, GENERATED_TOKENS)
+
+    def tokens(self, model, backend: Optional[str], count: int) -> torch.Tensor:
+        from transformers import CompileConfig
+
+        options = {"max_new_tokens": count, "min_new_tokens": count, "do_sample": False,
+                   "cache_implementation": "static", "pad_token_id": 0}
+        if backend is None:
+            options["disable_compile"] = True
+        else:
+            options["compile_config"] = CompileConfig(backend=backend, dynamic=False)
+            options["compile_config"]._compile_all_devices = True  # the CPU smoke run compiles too
+        output = model.generate(self.ids, attention_mask=torch.ones_like(self.ids), **options)
+        return output[:, self.seqlen:]
+
+
+def run_generation(variant: Variant, workload: Generation, shape: dict, dtype, device, args) -> Result:
+    result = Result(workload.phase, variant.name, workload.seqlen)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        model = build_model(shape, variant.attn_implementation, dtype, device, workload.seqlen + GENERATED_TOKENS)
+        with torch.no_grad():
+            tokens = workload.tokens(model, variant.backend, GENERATED_TOKENS)  # compiles the decode step
+            result.rewrites = counters["fa2_inductor"]["rewrites"]
+            result.tokens_differing = int((tokens != workload.reference).sum())
+            ms = {}
+            for count in (GENERATED_TOKENS, 1):
+                call = lambda: workload.tokens(model, variant.backend, count)  # noqa: E731
+                ms[count] = statistics.median(time_calls(call, [()], device, warmup=args.warmup, reps=args.reps))
+        result.median_ms = (ms[GENERATED_TOKENS] - ms[1]) / (GENERATED_TOKENS - 1)
+        result.counters = dict(counters["fa2_inductor"])
+        result.reference_fallbacks = sum(n for key, n in result.counters.items() if key.startswith("reference_fallback:"))
+    except Exception as exc:  # one failing variant must not lose the others
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        result.error = f"{type(exc).__name__}: {' | '.join(lines[:2])}"[:300]
+    return result
+
+
 def run_variant(variant: Variant, workload: Workload, shape: dict, dtype, device, args) -> Result:
     result = Result(workload.phase, variant.name, workload.seqlen)
     torch._dynamo.reset()
@@ -154,17 +213,18 @@ def format_table(results: list[Result]) -> str:
     for phase, seqlen in dict.fromkeys((r.phase, r.seqlen) for r in results):
         rows = [r for r in results if (r.phase, r.seqlen) == (phase, seqlen)]
         base = next((r.median_ms for r in rows if r.variant == BASELINE and r.median_ms), None)
-        title = f"{seqlen} tokens" if phase == "prefill" else f"1 token after {seqlen}"
+        title = {"prefill": f"{seqlen} tokens", "generate": f"ms per new token after a prompt of {seqlen}"}.get(
+            phase, f"1 token after {seqlen}")
+        check = "tokens ≠" if phase == "generate" else "max|Δlogits|"
         lines.append(f"\n{phase}: {title}")
-        lines.append(f"{'variant':<28}{'ms':>10}{'vs ' + BASELINE:>22}{'rewrites':>10}{'max|Δlogits|':>14}{'fallbacks':>11}")
+        lines.append(f"{'variant':<28}{'ms':>10}{'vs ' + BASELINE:>22}{'rewrites':>10}{check:>14}{'fallbacks':>11}")
         for r in rows:
             if r.error:
                 lines.append(f"{r.variant:<28}{'failed: ' + r.error}")
                 continue
             ratio = f"{base / r.median_ms:.2f}x" if base else "-"
-            lines.append(
-                f"{r.variant:<28}{r.median_ms:>10.2f}{ratio:>22}{r.rewrites:>10}{r.max_abs_diff:>14.3g}{r.reference_fallbacks:>11}"
-            )
+            checked = f"{r.tokens_differing:>14}" if r.tokens_differing is not None else f"{r.max_abs_diff:>14.3g}"
+            lines.append(f"{r.variant:<28}{r.median_ms:>10.2f}{ratio:>22}{r.rewrites:>10}{checked}{r.reference_fallbacks:>11}")
     return "\n".join(lines)
 
 
@@ -173,7 +233,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seqlens", type=int, nargs="+", help="default: 2048 8192 (16 32 with --tiny)")
     parser.add_argument("--variants", nargs="+", choices=[v.name for v in VARIANTS], default=[v.name for v in VARIANTS])
     parser.add_argument(
-        "--phases", nargs="+", choices=PHASES, default=list(PHASES), help="decode: static KV cache; decode_dynamic: DynamicCache"
+        "--phases", nargs="+", choices=PHASES, default=list(PHASES),
+        help="decode: static KV cache; decode_dynamic: DynamicCache; generate: generate() with a static cache"
     )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
@@ -200,9 +261,12 @@ def main(argv=None) -> list:
     results = []
     for phase in args.phases:
         for seqlen in seqlens:
-            workload = Workload(phase, shape, dtype, device, seqlen)
+            if phase == "generate":
+                workload, run = Generation(shape, dtype, device, seqlen), run_generation
+            else:
+                workload, run = Workload(phase, shape, dtype, device, seqlen), run_variant
             for variant in variants:
-                results.append(run_variant(variant, workload, shape, dtype, device, args))
+                results.append(run(variant, workload, shape, dtype, device, args))
                 r = results[-1]
                 status = r.error or f"{r.median_ms:.3f} ms {r.counters or ''}"
                 print(f"{phase:<8}{seqlen:>6} {variant.name:<28} {status}", flush=True)

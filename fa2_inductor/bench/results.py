@@ -160,7 +160,9 @@ def _end_to_end(doc: dict, source: str) -> list[str]:
                 row += [_number(r["median_ms"], 2), f"{base / r['median_ms']:.2f}" if base else "-"]
                 forms = _rewrite_forms(r.get("counters") or {}) if forms == "-" else forms
             rows.append(row + [forms])
-        title = "prefill (the whole sequence)" if phase == "prefill" else f"{phase} (one token after the cache)"
+        title = {"prefill": "prefill (the whole sequence)",
+                 "generate": "generate (ms per new token, 32 greedy tokens after the prompt, static cache)"}.get(
+            phase, f"{phase} (one token after the cache)")
         lines += [f"### {title}", ""] + _table(header, rows) + [""]
     return lines[:-1]
 

@@ -98,5 +98,25 @@ def test_compiled_generate_matches_eager_greedy():
         model.forward = torch.compile(model.forward, backend="fa2_inductor")
         got = model.generate(**prompt, **settings)
     assert counters["fa2_inductor"]["rewrites"] >= family.count_attention_sites(model.config)
-    # bf16: a near-tie may flip a late token; the first ones must agree.
-    torch.testing.assert_close(got[:, : 64 + 4], expected[:, : 64 + 4])
+    # bf16: a near-tie may flip a late token; the first new ones must agree.
+    prompt_len = prompt["input_ids"].shape[1]
+    torch.testing.assert_close(got[:, : prompt_len + 4], expected[:, : prompt_len + 4])
+
+
+def test_compiled_generate_runs_its_decode_steps_on_the_decode_kernel():
+    """A static cache of at least DECODE_MIN_KEYS slots: the decode step's sites are rewritten too (the split-KV
+    kernel, its mask hiding the unfilled slots), with no reference fallback, and greedy tokens agree."""
+    family = FAMILIES["llama"]
+    model = family.build("sdpa", dtype=torch.bfloat16, device=DEVICE, hidden=HIDDEN)
+    prompt = {"input_ids": _tokens(2, support.DECODE_MIN_KEYS)}
+    settings = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0, "cache_implementation": "static"}
+    with torch.no_grad():
+        expected = model.generate(**prompt, **settings)
+        model.forward = torch.compile(model.forward, backend="fa2_inductor")
+        got = model.generate(**prompt, **settings)
+    counts = dict(counters["fa2_inductor"])
+    assert counts["rewrites"] >= 2 * family.count_attention_sites(model.config), counts  # prefill and decode graphs
+    assert "refused:decode_step" not in counts, counts
+    assert not any(key.startswith("reference_fallback") for key in counts), counts
+    prompt_len = prompt["input_ids"].shape[1]
+    torch.testing.assert_close(got[:, : prompt_len + 4], expected[:, : prompt_len + 4])
