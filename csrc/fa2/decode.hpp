@@ -5,11 +5,11 @@
 // - the query rows of one GQA group (its Hq/Hkv heads x Sq rows) are packed into 16-row tiles, so K/V are
 //   read once per group rather than once per query head;
 // - the keys are split across CTAs (grid: row tiles x (batch, KV head) x splits), each writing a float32
-//   partial output normalised by its own row sums, and its LSE; a second kernel combines the splits with
-//   their LSEs (and a sink, if any) into out and lse;
+//   partial output normalised by its own row sums, with its row max and sum; a second kernel combines the
+//   splits by those (and a sink, if any) into out and lse;
 // - inside a CTA the 4 warps take 16 keys each of a 64-key block (D = 256: two warps per 16 keys, half of
 //   the columns each, 32-key blocks; mma.sync m16n8k16, operands from shared memory through ldmatrix; K/V
-//   blocks double-buffered with cp.async), then merge their rows in shared memory;
+//   blocks in kStages cp.async stages), then merge their rows in shared memory;
 // - before its loop a CTA finds which of its key blocks any of its rows sees (mask, causal/window, Sk)
 //   and only loads those: the unfilled slots of a static KV cache (masked keys) cost a mask read, not a
 //   K/V read.
