@@ -3,7 +3,6 @@
 // allocation and no synchronisation (safe under CUDA graph capture).
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -13,27 +12,11 @@
 #include "bwd_kernel_sm90.hpp"
 #include "bwd_prepost.hpp"
 #include "bwd_mask_prepass.hpp"
+#include "smem_limit.hpp"
 
 namespace fa2 {
 
 using namespace cute;
-
-// Raises a kernel's dynamic shared-memory limit once per device, so that a later CUDA graph capture
-// only sees launches.
-template <class Kernel>
-cudaError_t allow_dynamic_smem(Kernel kernel, int bytes) {
-  static std::atomic<uint64_t> configured_devices{0};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const uint64_t bit = uint64_t(1) << (device & 63);
-  if (!(configured_devices.load(std::memory_order_relaxed) & bit)) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (err != cudaSuccess) return err;
-    configured_devices.fetch_or(bit, std::memory_order_relaxed);
-  }
-  return cudaSuccess;
-}
 
 template <class Traits>
 struct BwdPlan {
@@ -135,7 +118,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
   }
   auto kernel = &bwd_kernel_sm90<T>;
-  err = allow_dynamic_smem(kernel, T::kSmemBytes);
+  err = allow_dynamic_smem<&bwd_kernel_sm90<T>>(T::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<dim3(num_n_blocks, p.heads_kv, p.batch), T::kThreads, T::kSmemBytes, stream>>>(args);
   err = cudaGetLastError();
@@ -147,7 +130,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
       ldq.shape(), dq_accum, p.scale, p.heads_q, num_m_blocks};
   constexpr int kPostSmem = int(cosize_v<typename T::SmemLayoutDQ>) * int(sizeof(Element));
   auto post_kernel = &bwd_postprocess<T>;
-  err = allow_dynamic_smem(post_kernel, kPostSmem);
+  err = allow_dynamic_smem<&bwd_postprocess<T>>(kPostSmem);
   if (err != cudaSuccess) return err;
   post_kernel<<<query_grid, kPrepostThreads, kPostSmem, stream>>>(post);
   return cudaGetLastError();

@@ -17,7 +17,6 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -26,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include "params.h"
+#include "smem_limit.hpp"
 
 namespace fa2 {
 namespace decode {
@@ -581,17 +581,8 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
   auto kernel = &decode_split_kernel<HeadDim, Dt>;
   constexpr int smem_bytes = Smem<HeadDim, Dt>::kBytes;
   static_assert(smem_bytes <= 227 * 1024, "decode tile too large for shared memory");
-  // Raised once per device, so that a CUDA graph capture later only sees the launches.
-  static std::atomic<uint64_t> configured_devices{0};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  cudaError_t err = allow_dynamic_smem<&decode_split_kernel<HeadDim, Dt>>(smem_bytes);
   if (err != cudaSuccess) return err;
-  const uint64_t bit = uint64_t(1) << (device & 63);
-  if (!(configured_devices.load(std::memory_order_relaxed) & bit)) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    if (err != cudaSuccess) return err;
-    configured_devices.fetch_or(bit, std::memory_order_relaxed);
-  }
   dim3 grid(unsigned(int64_t(p.batch) * p.heads_kv * plan.row_tiles), unsigned(plan.splits));
   kernel<<<grid, kThreads, smem_bytes, stream>>>(args);
   err = cudaGetLastError();

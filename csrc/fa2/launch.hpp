@@ -2,7 +2,6 @@
 // caller's stream. No allocation and no synchronisation (safe under CUDA graph capture).
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -11,6 +10,7 @@
 #include "params.h"
 #include "kernel_sm90.hpp"
 #include "mask_prepass.hpp"
+#include "smem_limit.hpp"
 
 namespace fa2 {
 
@@ -128,18 +128,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
 
   auto kernel = &fwd_kernel_sm90<T>;
   const int smem_bytes = T::kSmemBytes;
-  // Raise the dynamic shared-memory limit once per device, so a later CUDA graph capture only
-  // sees the launch.
-  static std::atomic<uint64_t> configured_devices{0};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  const cudaError_t err = allow_dynamic_smem<&fwd_kernel_sm90<T>>(smem_bytes);
   if (err != cudaSuccess) return err;
-  const uint64_t bit = uint64_t(1) << (device & 63);
-  if (!(configured_devices.load(std::memory_order_relaxed) & bit)) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    if (err != cudaSuccess) return err;
-    configured_devices.fetch_or(bit, std::memory_order_relaxed);
-  }
   dim3 grid(num_m_blocks, p.heads_q, p.batch);
   kernel<<<grid, T::kThreads, smem_bytes, stream>>>(args);
   return cudaGetLastError();
