@@ -237,6 +237,20 @@ at::Tensor set_softcap_and_sinks(const char* fn, fa2::FwdParams& p, double softc
   return sinks_f32;
 }
 
+// describe_call with the arguments every forward launch takes besides the tensors: positions, soft-capping
+// and sinks. The tensor returned holds the float32 sinks the params point to: keep it past the launch.
+std::pair<fa2::FwdParams, at::Tensor> describe_forward(const char* fn, const at::Tensor& q, const at::Tensor& k,
+                                                       const at::Tensor& v, const at::Tensor& out,
+                                                       const at::Tensor& lse, double scale, bool is_causal,
+                                                       int64_t window_left, double softcap,
+                                                       const std::optional<at::Tensor>& sinks) {
+  fa2::FwdParams p = describe_call(fn, q, k, v, out, lse, scale);
+  p.causal = is_causal;
+  p.window_left = check_window(fn, is_causal, window_left);
+  at::Tensor sinks_f32 = set_softcap_and_sinks(fn, p, softcap, sinks);
+  return {p, sinks_f32};
+}
+
 void check_launch(const char* fn, cudaError_t err) {
   FA2_CHECK(err == cudaSuccess, fn, ": kernel launch failed: ", cudaGetErrorString(err));
 }
@@ -247,10 +261,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
          double scale, bool is_causal, int64_t window_left, const std::optional<at::Tensor>& rows_filter,
          double softcap, const std::optional<at::Tensor>& sinks) {
   constexpr const char* fn = "fa2_inductor._C.fwd";
-  fa2::FwdParams p = describe_call(fn, q, k, v, out, lse, scale);
-  p.causal = is_causal;
-  p.window_left = check_window(fn, is_causal, window_left);
-  const at::Tensor sinks_f32 = set_softcap_and_sinks(fn, p, softcap, sinks);
+  auto [p, sinks_f32] = describe_forward(fn, q, k, v, out, lse, scale, is_causal, window_left, softcap, sinks);
   if (rows_filter.has_value()) {
     const at::Tensor& f = *rows_filter;
     FA2_CHECK(f.device() == lse.device() && f.scalar_type() == at::kFloat && f.sizes() == lse.sizes() &&
@@ -298,10 +309,7 @@ void fwd_masked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
                 double scale, const at::Tensor& mask, bool is_causal, int64_t window_left, double softcap,
                 const std::optional<at::Tensor>& sinks) {
   constexpr const char* fn = "fa2_inductor._C.fwd_masked";
-  fa2::FwdParams p = describe_call(fn, q, k, v, out, lse, scale);
-  p.causal = is_causal;
-  p.window_left = check_window(fn, is_causal, window_left);
-  const at::Tensor sinks_f32 = set_softcap_and_sinks(fn, p, softcap, sinks);
+  auto [p, sinks_f32] = describe_forward(fn, q, k, v, out, lse, scale, is_causal, window_left, softcap, sinks);
   FA2_CHECK(k.size(2) > 0, fn, ": needs at least one key");
   FA2_CHECK(scale > 0, fn, ": scale must be positive");
   const int kind = describe_mask(fn, p, mask, q);
@@ -329,10 +337,7 @@ void fwd_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
                 double scale, const std::optional<at::Tensor>& mask, bool is_causal, int64_t window_left,
                 double softcap, const std::optional<at::Tensor>& sinks) {
   constexpr const char* fn = "fa2_inductor._C.fwd_decode";
-  fa2::FwdParams p = describe_call(fn, q, k, v, out, lse, scale);
-  p.causal = is_causal;
-  p.window_left = check_window(fn, is_causal, window_left);
-  const at::Tensor sinks_f32 = set_softcap_and_sinks(fn, p, softcap, sinks);
+  auto [p, sinks_f32] = describe_forward(fn, q, k, v, out, lse, scale, is_causal, window_left, softcap, sinks);
   FA2_CHECK(k.size(2) > 0, fn, ": needs at least one key");
   FA2_CHECK(scale > 0, fn, ": scale must be positive");
   FA2_CHECK(q.size(2) <= fa2::kDecodeMaxSeqlenQ, fn, ": at most ", fa2::kDecodeMaxSeqlenQ, " query rows");
