@@ -18,9 +18,10 @@ from .site import AttentionSite
 # Dtypes the pass hands to the op on any device (float64 is the CPU reference's, for gradcheck only);
 # whether the kernel runs a dtype is the device rule's question.
 _OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Decode steps (at most this many query rows) run the split-KV decode kernel; below DECODE_MIN_KEYS keys its two
-# launches cost more than they save and the site stays with Inductor. Measured with
-# ``python -m fa2_inductor.bench --decode`` (H200, bf16, GQA 32/8, d128).
+# Decode steps (at most this many query rows) run the split-KV decode kernel. Measured faster than Inductor's own
+# attention from 2k keys on (the Llama-shaped model's decode step, ``bench_e2e --phases decode decode_dynamic``,
+# H200: 1.39-1.81x at 2k-8k); per call (``bench --decode``) its fixed cost (two launches, ~16 us) is most of the
+# time at 512 keys, so shorter caches stay with Inductor until measured.
 DECODE_MAX_QUERY_ROWS = 16  # the kernel's dispatch limit, _C.limits()["decode_max_seqlen_q"]
 DECODE_MIN_KEYS = 512
 # Short sequences stay with Inductor on CUDA: below these key counts the op's fixed cost per call (its
