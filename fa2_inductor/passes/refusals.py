@@ -52,7 +52,7 @@ class Refusal(str, Enum):
     DEVICE = "device", "a device the op has no rules for"
     CPU_DEVICE = "cpu_device", "a CPU graph while fa2_inductor.config.rewrite_on_cpu is off"
     KERNEL_UNSUPPORTED = "kernel_unsupported", "the CUDA kernel cannot run the call"
-    DECODE_STEP = "decode_step", "few query rows: Inductor is faster there"
+    DECODE_STEP = "decode_step", "few query rows against a short cache: the decode kernel's fixed cost, not measured to pay"
     SHORT_SEQUENCE = "short_sequence", "few keys: the op's fixed cost per call makes it slower than Inductor there"
     DENSE_ADDITIVE_MASK = "dense_additive_mask", "an additive mask with no proven structure: read per score, slower than Inductor"
     BACKWARD_UNSUPPORTED = "backward_unsupported", "the op's backward would run its slow reference"

@@ -88,7 +88,7 @@ def _cuda_refusal(call: OpCall) -> Optional[Refused]:
     if seq_q <= DECODE_MAX_QUERY_ROWS:
         if seq_k < DECODE_MIN_KEYS:
             return Refused(Refusal.DECODE_STEP, f"Sq={seq_q} query rows against Sk={seq_k} keys: below "
-                                                f"{DECODE_MIN_KEYS} keys the decode kernel's fixed cost makes it slower")
+                                                f"{DECODE_MIN_KEYS} keys the decode kernel's fixed cost is not measured to pay")
         return None
     min_keys = MIN_KEYS if call.mask is None else MIN_KEYS_WITH_MASK
     if seq_k < min_keys:
