@@ -189,8 +189,8 @@ def test_generate_with_static_cache_matches_eager_greedy(compile_on_cpu, impl):
 @pytest.mark.parametrize("impl", _params([(i,) for i in IMPLS], {(i,) for i in LONG_IMPLS}))
 def test_generate_under_the_cuda_rules_leaves_decode_steps_to_inductor(compile_on_cpu, monkeypatch, impl):
     """What a Hopper GPU decides (CPU sites judged by the CUDA rules, a kernel that takes every call):
-    every decode step (Sq = 1) compiles to plain Inductor's code line for line, so it cannot be slower than
-    Inductor there; the prefill's sites take the op where generate() hands the model a bool mask (sdpa) and
+    every decode step (Sq = 1) against a cache shorter than DECODE_MIN_KEYS compiles to plain Inductor's code
+    line for line, so it cannot be slower than Inductor there; the prefill's sites take the op where generate() hands the model a bool mask (sdpa) and
     stay with Inductor where it hands over eager's additive finfo.min mask, built outside the compiled
     forward, so no structure can be read from it (dense_additive_mask); the tokens are eager's."""
     from torch._inductor.utils import run_and_get_code
