@@ -130,6 +130,18 @@ class Workload:
         return forward(**self.kwargs).logits
 
 
+def _record_counters(result: Result) -> None:
+    """Every fa2_inductor counter of the variant's run, and how many op calls fell back to the reference."""
+    result.counters = dict(counters["fa2_inductor"])
+    result.reference_fallbacks = sum(n for key, n in result.counters.items() if key.startswith("reference_fallback:"))
+
+
+def _error_line(exc: Exception) -> str:
+    """A failed variant's exception in one short line for the table and the JSON."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {' | '.join(lines[:2])}"[:300]
+
+
 class Generation:
     """``generate()`` of GENERATED_TOKENS greedy tokens after a prompt of seqlen tokens, with a StaticCache.
 
@@ -177,11 +189,9 @@ def run_generation(variant: Variant, workload: Generation, shape: dict, dtype, d
                 call = lambda: workload.tokens(model, variant.backend, count)  # noqa: E731
                 ms[count] = statistics.median(time_calls(call, [()], device, warmup=args.warmup, reps=args.reps))
         result.median_ms = (ms[GENERATED_TOKENS] - ms[1]) / (GENERATED_TOKENS - 1)
-        result.counters = dict(counters["fa2_inductor"])
-        result.reference_fallbacks = sum(n for key, n in result.counters.items() if key.startswith("reference_fallback:"))
+        _record_counters(result)
     except Exception as exc:  # one failing variant must not lose the others
-        lines = [line for line in str(exc).splitlines() if line.strip()]
-        result.error = f"{type(exc).__name__}: {' | '.join(lines[:2])}"[:300]
+        result.error = _error_line(exc)
     return result
 
 
@@ -200,11 +210,9 @@ def run_variant(variant: Variant, workload: Workload, shape: dict, dtype, device
             keep_busy(lambda: workload(forward), device)  # after the compile: GPU clocks back up
             times = time_calls(lambda: workload(forward), [()], device, warmup=args.warmup, reps=args.reps)
         result.median_ms = statistics.median(times)
-        result.counters = dict(counters["fa2_inductor"])
-        result.reference_fallbacks = sum(n for key, n in result.counters.items() if key.startswith("reference_fallback:"))
+        _record_counters(result)
     except Exception as exc:  # one failing variant (e.g. out of memory) must not lose the others
-        lines = [line for line in str(exc).splitlines() if line.strip()]
-        result.error = f"{type(exc).__name__}: {' | '.join(lines[:2])}"[:300]
+        result.error = _error_line(exc)
     return result
 
 

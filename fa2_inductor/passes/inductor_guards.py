@@ -12,6 +12,7 @@ Such chains are rewritten here into the same values in a form none of its patter
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -20,7 +21,7 @@ from . import op_table as ops
 from .fx_utils import insert_call, is_backward_node, tensor_val
 from .match_softmax import Softmax, attention_shaped, softmax_at
 
-# How far above a softmax an add with alpha is looked for (the scores' scale, mask and cast steps).
+# How far above a softmax the chain's steps are looked at (the scores' scale, mask and cast steps).
 _SCORE_STEPS = 8
 
 
@@ -34,8 +35,9 @@ def shield_attention_chains(graph: fx.Graph) -> bool:
         if softmax.dim != tensor_val(softmax.input).dim() - 1:
             _move_softmax_to_last_dim(graph, softmax)
             changed = True
-        changed |= _fold_alphas(graph, softmax.input)
-        changed |= _divisors_as_reciprocals(graph, softmax.input)
+        steps = _score_steps(softmax.input)
+        changed |= _fold_alphas(graph, steps)
+        changed |= _divisors_as_reciprocals(graph, steps)
     return changed
 
 
@@ -79,10 +81,10 @@ def _scaled(graph: fx.Graph, node: fx.Node, x: fx.Node, factor: float) -> fx.Nod
     return scaled
 
 
-def _fold_alphas(graph: fx.Graph, scores: fx.Node) -> bool:
+def _fold_alphas(graph: fx.Graph, steps: list[fx.Node]) -> bool:
     """``add(x, y, alpha=a)`` above the softmax becomes ``add(x, y * a)``."""
     changed = False
-    for node in _score_steps(scores):
+    for node in steps:
         alpha = ops.arg(node, "alpha") if ops.calls(node, *ops.ADD) else 1
         if alpha != 1 and _is_number(alpha):
             node.args, node.kwargs = (node.args[0], _scaled(graph, node, node.args[1], alpha)), {}
@@ -90,12 +92,18 @@ def _fold_alphas(graph: fx.Graph, scores: fx.Node) -> bool:
     return changed
 
 
-def _divisors_as_reciprocals(graph: fx.Graph, scores: fx.Node) -> bool:
+def _head_dim(steps: list[fx.Node]) -> Optional[int]:
+    """The inner size of the first q @ kᵀ product among the steps (baddbmm's is its second operand's)."""
+    for node in steps:
+        if ops.calls(node, *ops.BMM, *ops.BADDBMM):
+            return tensor_val(node.args[1 if ops.calls(node, *ops.BADDBMM) else 0]).shape[-1]
+    return None
+
+
+def _divisors_as_reciprocals(graph: fx.Graph, steps: list[fx.Node]) -> bool:
     """``s / c`` above the softmax becomes ``s * (1 / c)`` unless c is sqrt(head dim) (the product's inner size),
     the one divisor Inductor's masked pattern means; equal up to the last bit of rounding."""
-    steps = _score_steps(scores)
-    products = [n for n in steps if ops.calls(n, *ops.BMM, *ops.BADDBMM)]
-    head_dim = tensor_val(products[0].args[-2 if ops.calls(products[0], *ops.BADDBMM) else 0]).shape[-1] if products else None
+    head_dim = _head_dim(steps)
     changed = False
     for node in steps:
         if node.target is not torch.ops.aten.div.Tensor or node.kwargs or len(node.args) != 2:
