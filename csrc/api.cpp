@@ -762,7 +762,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_cuda(const at::Tensor& q,
 
 // Raised whenever a binding's arguments change, so that a build from older sources is refused at import
 // (fa2_inductor/_extension.py INTERFACE_VERSION) instead of failing at its first call.
-constexpr int64_t kInterfaceVersion = 3;
+constexpr int64_t kInterfaceVersion = 4;
 
 std::vector<std::tuple<int64_t, std::string>> compiled_kernels() {
   std::vector<std::tuple<int64_t, std::string>> result;
@@ -852,11 +852,12 @@ std::array<int64_t, 4> broadcast_strides(const char* fn, const at::Tensor& t, co
 }  // namespace
 
 // Attention backward into preallocated dq [B,Hq,Sq,D] and dk, dv [B,Hkv,Sk,D] (any TMA-compatible
-// strides). mask (optional): as fwd_masked takes it. dmask (optional, additive masks): float32, zeroed,
+// strides). mask (optional): as fwd_masked takes it, with or without is_causal; window_left as the forward's. dmask (optional, additive masks): float32, zeroed,
 // expanded to [B,Hq,Sq,Sk] with zero strides on the dims to sum over; receives dS added in.
 void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
          const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, double scale, bool is_causal,
-         bool deterministic, const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& dmask) {
+         bool deterministic, const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& dmask,
+         int64_t window_left) {
   constexpr const char* fn = "fa2_inductor._C.bwd";
   const fa2::FwdParams f = describe_call(fn, q, k, v, out, lse, scale);
   FA2_CHECK(f.batch > 0 && f.heads_q > 0 && f.seqlen_q > 0 && f.seqlen_k > 0, fn,
@@ -892,11 +893,12 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   p.dv_batch_stride = s_dv[0], p.dv_head_stride = s_dv[1], p.dv_row_stride = s_dv[2];
   p.scale = float(scale);
   p.causal = is_causal;
+  // A window as long as the queries hides nothing: none (and no sum of positions overflows).
+  p.window_left = check_window(fn, is_causal, window_left) >= f.seqlen_q ? -1 : int(window_left);
   p.deterministic = deterministic;
 
   int variant = is_causal ? 1 : 0;
   if (mask.has_value()) {
-    FA2_CHECK(!is_causal, fn, ": a mask together with is_causal is not supported");
     const at::Tensor& m = *mask;
     switch (m.scalar_type()) {
       case at::kBool: p.mask_dtype = fa2::MaskDType::kBool; variant = 2; break;
@@ -937,7 +939,7 @@ void register_bwd(pybind11::module_& m) {
         pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
         pybind11::arg("lse"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"), pybind11::arg("scale"),
         pybind11::arg("is_causal"), pybind11::arg("deterministic"), pybind11::arg("mask") = pybind11::none(),
-        pybind11::arg("dmask") = pybind11::none());
+        pybind11::arg("dmask") = pybind11::none(), pybind11::arg("window_left") = -1);
 }
 // ===== end of the backward kernel binding ========================================================
 

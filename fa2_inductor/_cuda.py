@@ -131,20 +131,20 @@ def backward_kernel_unsupported_reason(
     attn_mask: Optional[Tensor], is_causal: bool, compute_mask_grad: bool, window_left: int = -1,
     softcap: float = 0.0, sinks: Optional[Tensor] = None,
 ) -> Optional[str]:
-    """None when ``backward_kernel`` runs this call: what the forward kernel covers, less a window, a mask
-    together with is_causal, and soft-capping. Sinks need nothing of the kernel: the LSE holds them and
-    ``sinks_gradient`` gives theirs."""
+    """None when ``backward_kernel`` runs this call: what the forward kernel covers (masks, causal and
+    windows, alone or together), less soft-capping. Sinks need nothing of the kernel: the LSE holds them
+    and ``sinks_gradient`` gives theirs."""
     if not hasattr(_extension.C, "bwd"):
         return "kernel built without the backward"
     if os.environ.get("FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL", "0") == "1":
         return "backward kernel disabled (FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL=1)"
-    if window_left != -1:
-        return "window_left (the backward kernel has no window)"
-    if attn_mask is not None and is_causal:
-        return "attn_mask together with is_causal (the backward kernel takes one or the other)"
     if softcap:
         return "softcap (the backward kernel has no soft-capping)"
-    reason = kernel_unsupported_reason(q, k, v, attn_mask, is_causal, -1, softcap, sinks)
+    if window_left != -1 and not is_causal:
+        return "window_left without is_causal"
+    # Every backward kernel takes causal and a window, so the forward's rules are asked without them (its
+    # additive-mask kernels may have no causal instantiation).
+    reason = kernel_unsupported_reason(q, k, v, attn_mask, False, -1, softcap, sinks)
     if reason is not None:
         return reason
     for name, t in (("grad_out", grad_out), ("out", out)):
@@ -163,7 +163,7 @@ def backward_kernel_unsupported_reason(
 
 def backward_kernel(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    attn_mask: Optional[Tensor], scale: float, is_causal: bool, compute_mask_grad: bool,
+    attn_mask: Optional[Tensor], scale: float, is_causal: bool, compute_mask_grad: bool, window_left: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dmask) from the Hopper backward kernel (only where ``backward_kernel_unsupported_reason``
     accepted the call): contiguous, in the inputs' dtypes; dmask empty unless compute_mask_grad.
@@ -187,7 +187,7 @@ def backward_kernel(
         mask = None if attn_mask is None else attn_mask.expand(b, hq, sq, sk)
         dmask = None if dmask_sum is None else dmask_sum.expand(b, hq, sq, sk)
         _extension.C.bwd(grad_out, q, k, v, out, lse, dq, dk, dv, float(scale), bool(is_causal),
-                         torch.are_deterministic_algorithms_enabled(), mask, dmask)
+                         torch.are_deterministic_algorithms_enabled(), mask, dmask, int(window_left))
     if dmask_sum is None:
         return dq, dk, dv, q.new_empty(0)
     return dq, dk, dv, dmask_sum.reshape(attn_mask.shape).to(attn_mask.dtype)

@@ -24,7 +24,7 @@ REQUIRED_FUNCTIONS = (
     "fwd", "fwd_masked", "fill_empty_rows", "interface_version",
 )
 # The bindings' argument version this package calls (csrc/api.cpp kInterfaceVersion).
-INTERFACE_VERSION = 3
+INTERFACE_VERSION = 4
 
 
 def _load() -> tuple[Optional[ModuleType], str]:

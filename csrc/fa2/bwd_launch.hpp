@@ -43,6 +43,10 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   if (p.head_dim <= 0 || p.head_dim > T::kHeadDim || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) {
     return cudaErrorInvalidValue;
   }
+  // Causal is the unmasked kernels' template argument; a window needs causal.
+  if ((T::kMask == MaskKind::kNone && p.causal != T::kCausal) || (p.window_left >= 0 && !p.causal)) {
+    return cudaErrorInvalidValue;
+  }
   const BwdPlan<T> plan = plan_bwd<T>(p);
   char* ws = static_cast<char*>(p.workspace);
   float* lse_rows = reinterpret_cast<float*>(ws + plan.workspace.lse_offset);
@@ -110,6 +114,8 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
       p.scale,
       p.scale * float(M_LOG2E),
       p.deterministic,
+      p.causal,
+      p.causal ? p.window_left : -1,
       {},  // mask: filled below for the masked kernels
   };
   if constexpr (T::kMask != MaskKind::kNone) {

@@ -8,6 +8,7 @@
 // The producer warp streams Q/LSE and dO/D tiles through two TMA pipelines; K and V are loaded once.
 #pragma once
 
+#include <climits>
 #include <cmath>
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90.hpp>
@@ -27,9 +28,9 @@ using namespace cute;
 
 // The steps of one CTA: (query head of the kv head's group, query tile) pairs, heads outer and query
 // tiles ascending, as entries head_in_group << 17 | m_block << 1 | partial (m_block < 65536). Unmasked:
-// every query tile from the first one a key of this tile is visible to (causal) up to the end, the
-// same for every head; `partial` is unused (tails and the causal diagonal follow from the indices).
-// Masked: the pre-pass's list, fully masked blocks left out.
+// every query tile that sees a key of this tile (causal: from the diagonal on, up to the window's end),
+// the same for every head; `partial` is unused (tails and causal edges follow from the indices).
+// Masked: the pre-pass's list, blocks hidden by the mask or the causal positions left out.
 template <class Traits>
 struct BwdSchedule {
   int first = 0;                // masked kernels: index of the first step's entry in args.mask.lists
@@ -50,19 +51,35 @@ struct BwdSchedule {
   CUTE_HOST_DEVICE static bool partial(int entry) { return entry & 1; }
 };
 
-// Top-left causal: query i sees key j iff j <= i, so the key tile n is first seen by query tile
-// floor(n * kBlockN / kBlockM).
+// Whether this call hides the causal positions: a template argument of the unmasked kernels, a run-time
+// flag of the masked ones.
 template <class Traits>
-CUTE_HOST_DEVICE int first_query_block(int n_block) {
-  return Traits::kCausal ? n_block * Traits::kBlockN / Traits::kBlockM : 0;
+CUTE_DEVICE bool hides_causal(const BwdKernelArgs<Traits>& args) {
+  if constexpr (Traits::kCausal) {
+    return true;
+  } else if constexpr (Traits::kMask != MaskKind::kNone) {
+    return args.causal;
+  } else {
+    return false;
+  }
 }
 
 template <class Traits>
 CUTE_DEVICE BwdSchedule<Traits> bwd_schedule(const BwdKernelArgs<Traits>& args, int n_block, int head_kv, int batch) {
+  using T = Traits;
   BwdSchedule<Traits> schedule;
   if constexpr (Traits::kMask == MaskKind::kNone) {
-    schedule.begin = first_query_block<Traits>(n_block);
-    schedule.per_head = max(0, args.num_m_blocks - schedule.begin);
+    // Top-left causal: key tile n is first seen by query tile floor(n * kBlockN / kBlockM) and, with a
+    // window, last by the tile of query n * kBlockN + kBlockN - 1 + window_left.
+    int end = args.num_m_blocks;
+    if constexpr (T::kCausal) {
+      schedule.begin = n_block * T::kBlockN / T::kBlockM;
+      if (args.window_left >= 0) {
+        const int64_t last_query = int64_t(n_block + 1) * T::kBlockN - 1 + args.window_left;
+        end = int(min(int64_t(end), last_query / T::kBlockM + 1));
+      }
+    }
+    schedule.per_head = max(0, end - schedule.begin);
     schedule.count = args.head_ratio * schedule.per_head;
   } else {
     // Fits 32 bits: the lists hold B * Hq * N * M + B * Hkv * N ints, under 2^31 for any mask that fits
@@ -78,7 +95,7 @@ CUTE_DEVICE BwdSchedule<Traits> bwd_schedule(const BwdKernelArgs<Traits>& args, 
 // Deterministic mode: the key tiles adding into one query tile's dQ take turns in a fixed order; this
 // is the number of tiles before this one. Unmasked: ascending key tiles. Causal: descending (the grid
 // launches the short, high key tiles first, so no CTA waits for one not yet resident). Masked: the
-// pre-pass's rank among the visiting tiles, ascending.
+// pre-pass's rank among the visiting tiles, ascending (with a window, less the tiles before it).
 template <class Traits>
 CUTE_DEVICE int dq_turn(const BwdKernelArgs<Traits>& args, int n_block, int m_block, int head, int batch) {
   using T = Traits;
@@ -86,7 +103,12 @@ CUTE_DEVICE int dq_turn(const BwdKernelArgs<Traits>& args, int n_block, int m_bl
     const BwdMaskArgs& mk = args.mask;
     const int64_t row = mk.classes.class_slice(batch, head) * mk.classes.class_m_blocks +
                         (mk.classes.row_broadcast ? 0 : m_block);
-    return mk.ranks[row * args.num_n_blocks + n_block];
+    const int32_t* ranks = mk.ranks + row * args.num_n_blocks;
+    int turn = ranks[n_block];
+    if (args.causal && args.window_left >= 0) {  // the first key tile the window lets this query tile see
+      turn -= ranks[max(0, m_block * T::kBlockM - args.window_left) / T::kBlockN];
+    }
+    return turn;
   } else if constexpr (T::kCausal) {
     // The last key tile visible to query tile m: n * kBlockN < (m + 1) * kBlockM.
     const int last = min(args.num_n_blocks - 1, ((m_block + 1) * T::kBlockM + T::kBlockN - 1) / T::kBlockN - 1);
@@ -277,7 +299,7 @@ CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Trait
 // MMA warpgroups.
 
 // P = exp(S * scale [+ mask] - LSE) on the S^T fragment, in place; keys past Sk, keys after the query
-// (causal) and masked-out entries give 0. lse: this query tile's rows in the units of lse_row_value
+// or before its window (causal) and masked-out entries give 0. lse: this query tile's rows in the units of lse_row_value
 // (+inf for empty and padding rows, so P = 0 there).
 template <class Traits, class TensorS, class TensorC>
 CUTE_DEVICE void probabilities(const BwdKernelArgs<Traits>& args, TensorS& tSrS, const TensorC& tScS,
@@ -311,13 +333,18 @@ CUTE_DEVICE void probabilities(const BwdKernelArgs<Traits>& args, TensorS& tSrS,
       }
     }
   }
-  const bool causal_diagonal = T::kCausal && n0 + T::kBlockN - 1 > m0;
-  if (key_tail || causal_diagonal) {
+  const bool causal = hides_causal<T>(args);
+  const bool causal_edge =
+      causal && causal_block<T::kBlockM, T::kBlockN>(m_block, n_block, args.window_left) == CausalBlock::kPartial;
+  if (key_tail || causal_edge) {
+    // A key is visible iff it lies inside Sk and lo <= key - query <= hi.
+    const int hi = causal ? 0 : INT_MAX;
+    const int lo = causal && args.window_left >= 0 ? -args.window_left : INT_MIN;
     CUTE_UNROLL
     for (int i = 0; i < size(tSrS); ++i) {
       const int key = n0 + get<0>(tScS(i));
-      const int query = m0 + get<1>(tScS(i));
-      if (key >= args.seqlen_k || (T::kCausal && key > query)) tSrS(i) = 0.f;
+      const int offset = key - (m0 + get<1>(tScS(i)));
+      if (key >= args.seqlen_k || offset > hi || offset < lo) tSrS(i) = 0.f;
     }
   }
 }

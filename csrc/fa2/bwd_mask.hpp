@@ -1,6 +1,7 @@
 // Attention masks in the backward kernel. The forward's pre-pass (mask_prepass.hpp) classifies the
 // mask's (query tile x key tile) blocks at the backward's tile sizes; list_cta_steps then turns the
-// classes into each CTA's list of steps (fully masked blocks left out), and rank_key_blocks gives the deterministic mode its turn order. Partial blocks apply the mask
+// classes into each CTA's list of steps (blocks hidden by the mask or by the causal positions left
+// out), and rank_key_blocks gives the deterministic mode its turn order. Partial blocks apply the mask
 // element by element on the S^T fragment; additive masks that require grad also add dS into a float32
 // gradient buffer.
 #pragma once
@@ -36,12 +37,28 @@ constexpr int kMaskListWarps = 4;  // warps (CTAs listed, or class rows ranked) 
 // Largest query-head group a step entry can name (head_in_group << 17 | m_block << 1 | partial).
 constexpr int kMaxHeadRatio = 1 << 14;
 
+// Top-left causal positions of block (m_block, n_block): query i sees key j iff j <= i and, with a
+// window (window_left >= 0), j >= i - window_left. 0: no query of the block sees a key of it, 1: every
+// query sees every key, 2: partial.
+enum class CausalBlock { kHidden = 0, kVisible = 1, kPartial = 2 };
+template <int kBlockM, int kBlockN>
+CUTE_HOST_DEVICE CausalBlock causal_block(int m_block, int n_block, int window_left) {
+  const int m0 = m_block * kBlockM, m_last = m0 + kBlockM - 1;
+  const int n0 = n_block * kBlockN, n_last = n0 + kBlockN - 1;
+  const bool window = window_left >= 0;
+  if (n0 > m_last || (window && n_last < m0 - window_left)) return CausalBlock::kHidden;
+  if (n_last > m0 || (window && n0 < m_last - window_left)) return CausalBlock::kPartial;
+  return CausalBlock::kVisible;
+}
+
 // One warp per CTA of the main kernel, i.e. per (batch, kv head, key tile): its steps in order, every
-// (query head of the group, query tile) whose block is not fully masked, as BwdSchedule entries.
-// A row-broadcast mask (one class row) gives every query tile that row's class.
-template <int kWarps>
+// (query head of the group, query tile) whose block is neither fully masked nor (causal) hidden by the
+// positions, as BwdSchedule entries; the entry's partial bit is the mask's. A row-broadcast mask (one
+// class row) gives every query tile that row's class.
+template <int kWarps, int kBlockM, int kBlockN>
 __global__ void __launch_bounds__(32 * kWarps)
-list_cta_steps(const MaskArgs mk, int32_t* lists, int heads_kv, int head_ratio, int num_m_blocks, int64_t ctas) {
+list_cta_steps(const MaskArgs mk, int32_t* lists, int heads_kv, int head_ratio, int num_m_blocks, int64_t ctas,
+               bool causal, int window_left) {
   const int64_t cta = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (cta >= ctas) return;  // whole warps leave together
   const int lane = threadIdx.x % 32;
@@ -59,6 +76,7 @@ list_cta_steps(const MaskArgs mk, int32_t* lists, int heads_kv, int head_ratio, 
       if (m_block < num_m_blocks) {
         const int64_t row = slice * mk.class_m_blocks + (mk.row_broadcast ? 0 : m_block);
         cls = mk.block_class[row * mk.num_n_blocks + n_block];
+        if (causal && causal_block<kBlockM, kBlockN>(m_block, n_block, window_left) == CausalBlock::kHidden) cls = 0;
       }
       const uint32_t visited = __ballot_sync(0xffffffffu, cls != 0);
       if (cls != 0) {

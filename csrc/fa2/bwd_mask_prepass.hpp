@@ -1,6 +1,6 @@
 // Host side of the masked backward's pre-pass: the forward's block classification (launch.hpp's
 // plan_mask and mask_prepass.hpp's classify_mask_blocks, at the backward's tile sizes), then the
-// per-CTA step lists and (deterministic mode) the turn ranks of bwd_mask.hpp.
+// per-CTA step lists (causal positions applied) and (deterministic mode) the turn ranks of bwd_mask.hpp.
 #pragma once
 
 #include <cstdint>
@@ -75,8 +75,9 @@ cudaError_t launch_bwd_mask_prepass(const BwdParams& p, const BwdMaskPlan& plan,
 
   int32_t* lists = reinterpret_cast<int32_t*>(workspace + plan.lists_offset);
   const int64_t ctas = int64_t(p.batch) * p.heads_kv * mk.num_n_blocks;
-  list_cta_steps<kMaskListWarps><<<unsigned((ctas + kMaskListWarps - 1) / kMaskListWarps), 32 * kMaskListWarps, 0, stream>>>(
-      mk, lists, p.heads_kv, p.heads_q / p.heads_kv, num_m_blocks, ctas);
+  list_cta_steps<kMaskListWarps, T::kBlockM, T::kBlockN>
+      <<<unsigned((ctas + kMaskListWarps - 1) / kMaskListWarps), 32 * kMaskListWarps, 0, stream>>>(
+          mk, lists, p.heads_kv, p.heads_q / p.heads_kv, num_m_blocks, ctas, p.causal, p.window_left);
   int32_t* ranks = nullptr;
   if (p.deterministic) {
     ranks = reinterpret_cast<int32_t*>(workspace + plan.ranks_offset);

@@ -34,11 +34,13 @@ struct BwdParams {
   int64_t lse_batch_stride = 0, lse_head_stride = 0;  // row stride is 1
 
   float scale = 1.0f;          // softmax scale applied to Q.K^T (any sign)
-  bool causal = false;         // top-left aligned: query i sees keys j <= i
+  bool causal = false;         // top-left aligned: query i sees keys j <= i (also with a mask: both apply)
+  int window_left = -1;        // with causal: query i sees only keys j >= i - window_left; -1: no window
   bool deterministic = false;  // dQ (and dmask) summed in a fixed order: bit-identical run to run
 
   // Attention mask (masked instantiations only), seen as [B, Hq, Sq, Sk] through its strides (0 on
-  // broadcast dims), exactly as FwdParams describes it.
+  // broadcast dims), exactly as FwdParams describes it. The masked instantiations take causal and the
+  // window at run time; the unmasked ones have a causal instantiation of their own.
   const void* mask = nullptr;
   MaskDType mask_dtype = MaskDType::kBool;
   int64_t mask_batch_stride = 0, mask_head_stride = 0, mask_row_stride = 0, mask_col_stride = 0;
@@ -53,7 +55,7 @@ struct BwdParams {
 };
 
 // One definition per compiled (head dim, dtype, causal, mask kind) in csrc/instantiations/bwd_*.cu.
-// A mask tensor and causal are exclusive (as in the forward).
+// Causal is a template argument of the unmasked kernels only.
 template <int HeadDim, DType Dt, bool Causal, MaskKind Kind>
 cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream);
 

@@ -65,7 +65,7 @@ struct BwdTraits {
   static constexpr bool kSplitKeys = Config::kSplitKeys;
   static constexpr bool kCausal = Causal_;
   static constexpr MaskKind kMask = Mask_;
-  static_assert(!(kCausal && kMask != MaskKind::kNone), "a mask tensor and causal are exclusive (as in SDPA)");
+  static_assert(!(kCausal && kMask != MaskKind::kNone), "masked kernels take causal at run time (BwdKernelArgs)");
   using MaskArgsT = typename BwdMaskArgsFor<Mask_>::type;
   // dQ partials: staged in shared memory and added to the float32 accumulator by one warp with bulk
   // reductions (TMA). Without room for the staging buffer (D = 256) the MMA warps add them directly.
@@ -233,6 +233,8 @@ struct BwdKernelArgs {
   float scale;      // softmax scale
   float scale_log2; // scale * log2(e)
   bool deterministic;
+  bool causal;      // masked kernels: the causal positions are hidden too (unmasked ones: Traits::kCausal)
+  int window_left;  // with causal: keys before query - window_left are hidden too; -1: no window
   typename Traits::MaskArgsT mask;  // empty for MaskKind::kNone
 };
 

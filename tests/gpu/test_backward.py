@@ -31,7 +31,15 @@ from tests.gpu.kernel_inputs import COMPILED, DEV, DTYPES, HEAD_DIMS, make_qkv, 
 # ---- the three computations compared ----------------------------------------------------------------
 
 
-def torch_grads(q, k, v, g, scale, is_causal, mask):
+def causal_bool(sq, sk, window_left=-1):
+    """[Sq, Sk] top-left causal positions: query i sees keys i - window_left .. i (window_left -1: 0 .. i)."""
+    i = torch.arange(sq, device=DEV).unsqueeze(1)
+    j = torch.arange(sk, device=DEV).unsqueeze(0)
+    visible = j <= i
+    return visible & (j >= i - window_left) if window_left >= 0 else visible
+
+
+def torch_grads(q, k, v, g, scale, is_causal, mask, window_left=-1):
     """Plain PyTorch attention in q's dtype through autograd (the error baseline): float32 softmax, rows
     without any visible key give 0. GQA by repeating heads (autograd sums them back)."""
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
@@ -41,8 +49,7 @@ def torch_grads(q, k, v, g, scale, is_causal, mask):
     rep = q.shape[1] // k.shape[1]
     s = (torch.matmul(q, k.repeat_interleave(rep, 1).transpose(-1, -2)) * scale).float()
     if is_causal:
-        sq, sk = q.shape[2], k.shape[2]
-        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=DEV).tril(), float("-inf"))
+        s = s.masked_fill(~causal_bool(q.shape[2], k.shape[2], window_left), float("-inf"))
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask_leaf.float()
     visible = torch.isfinite(s).any(-1, keepdim=True)
@@ -52,28 +59,36 @@ def torch_grads(q, k, v, g, scale, is_causal, mask):
     return q.grad, k.grad, v.grad, (None if mask_leaf is None else mask_leaf.grad)
 
 
-def reference_grads(q, k, v, g, scale, is_causal, mask, compute_mask_grad):
+def reference_grads(q, k, v, g, scale, is_causal, mask, compute_mask_grad, window_left=-1):
     """The float64 reference: the op's own reference backward on float64 inputs."""
     qd, kd, vd, gd = (t.double() for t in (q, k, v, g))
     md = None if mask is None or mask.dtype == torch.bool else mask.double()
     md = mask if md is None else md
-    out, lse = attention_reference(qd, kd, vd, attn_mask=md, scale=scale, is_causal=is_causal)
-    return attention_backward(gd, qd, kd, vd, out, lse, md, scale, is_causal, compute_mask_grad)
+    out, lse = attention_reference(qd, kd, vd, attn_mask=md, scale=scale, is_causal=is_causal, window_left=window_left)
+    return attention_backward(gd, qd, kd, vd, out, lse, md, scale, is_causal, compute_mask_grad, window_left)
 
 
-def kernel_forward(q, k, v, scale, is_causal, mask):
+def kernel_forward(q, k, v, scale, is_causal, mask, window_left=-1):
+    """(out, lse) of the forward kernel; where it has no kernel for the call (an additive mask with is_causal
+    has no causal forward instantiation by default) the float32 reference's, in q's dtype."""
     b, hq, sq, d = q.shape
     out = torch.empty(b, sq, hq, d, device=DEV, dtype=q.dtype).transpose(1, 2)
     lse = torch.empty(b, hq, sq, device=DEV, dtype=torch.float32)
-    assert _cuda.kernel_unsupported_reason(q, k, v, mask, is_causal) is None
-    _cuda.forward(q, k, v, scale, is_causal, out, lse, attn_mask=mask)
-    return out, lse
+    if _cuda.kernel_unsupported_reason(q, k, v, mask, is_causal, window_left) is None:
+        _cuda.forward(q, k, v, scale, is_causal, out, lse, attn_mask=mask, window_left=window_left)
+        return out, lse
+    assert mask is not None and mask.dtype != torch.bool and is_causal
+    ref_out, ref_lse = attention_reference(q.float(), k.float(), v.float(), attn_mask=mask.float(), scale=scale,
+                                           is_causal=True, window_left=window_left)
+    out.copy_(ref_out)
+    return out, ref_lse
 
 
-def kernel_grads(q, k, v, g, scale, is_causal, mask=None, dmask=None, deterministic=False, out_layout="bshd"):
+def kernel_grads(q, k, v, g, scale, is_causal, mask=None, dmask=None, deterministic=False, out_layout="bshd",
+                 window_left=-1):
     """The backward kernel straight through the binding, into NaN-poisoned gradient buffers (bshd: the
     strides of a [B, S, H, D] buffer, so the TMA stores run on non-contiguous outputs)."""
-    out, lse = kernel_forward(q, k, v, scale, is_causal, mask)
+    out, lse = kernel_forward(q, k, v, scale, is_causal, mask, window_left)
 
     def poisoned(t):
         b, h, s, d = t.shape
@@ -84,7 +99,8 @@ def kernel_grads(q, k, v, g, scale, is_causal, mask=None, dmask=None, determinis
     dq, dk, dv = poisoned(q), poisoned(k), poisoned(v)
     expanded = None if mask is None else mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     dmask_view = None if dmask is None else dmask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    _extension.C.bwd(g, q, k, v, out, lse, dq, dk, dv, scale, is_causal, deterministic, expanded, dmask_view)
+    _extension.C.bwd(g, q, k, v, out, lse, dq, dk, dv, scale, is_causal, deterministic, expanded, dmask_view,
+                     window_left)
     torch.cuda.synchronize()
     return dq, dk, dv
 
@@ -97,16 +113,16 @@ def assert_twice_torch_error(name, got, ref, base):
     assert err <= tol, f"{name}: error {err:.3e} > 2 x torch {got.dtype} error {base_err:.3e}"
 
 
-def check_backward(q, k, v, is_causal, mask=None, scale=None, mask_grad=False, seed=0):
+def check_backward(q, k, v, is_causal, mask=None, scale=None, mask_grad=False, seed=0, window_left=-1):
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     gen = torch.Generator(device=DEV).manual_seed(seed)
     g = torch.randn(q.shape, device=DEV, dtype=q.dtype, generator=gen)
     dmask = None
     if mask_grad:
         dmask = torch.zeros((1,) * (4 - mask.dim()) + tuple(mask.shape), device=DEV, dtype=torch.float32)
-    got = kernel_grads(q, k, v, g, scale, is_causal, mask, dmask)
-    ref = reference_grads(q, k, v, g, scale, is_causal, mask, mask_grad)
-    base = torch_grads(q, k, v, g, scale, is_causal, mask)
+    got = kernel_grads(q, k, v, g, scale, is_causal, mask, dmask, window_left=window_left)
+    ref = reference_grads(q, k, v, g, scale, is_causal, mask, mask_grad, window_left)
+    base = torch_grads(q, k, v, g, scale, is_causal, mask, window_left)
     for name, x, r, bse in zip(("dq", "dk", "dv"), got, ref, base):
         assert x.shape == r.shape, name
         assert_twice_torch_error(name, x, r, bse)
@@ -279,26 +295,96 @@ def test_op_mask_gradient_layout():
     assert not bias.grad.isnan().any()
 
 
+# ---- causal windows, and masks together with the causal positions -----------------------------------
+
+# (B, Hq, Hkv, Sq, Sk, window_left): windows of 0 keys, shorter than a tile, across tiles, Sq != Sk both ways.
+WINDOW_SHAPES = [
+    (2, 3, 3, 17, 17, 0),
+    (1, 2, 2, 97, 1000, 30),
+    (1, 2, 2, 1000, 97, 200),
+    (1, 4, 2, 777, 777, 128),
+    (1, 1, 1, 4099, 4099, 1000),
+]
+
+
+@pytest.mark.parametrize("shape", WINDOW_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_backward_window(d, dt, shape):
+    needs_kernel(d, dt)
+    b, hq, hkv, sq, sk, window_left = shape
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, DTYPES[dt], layout="bshd", seed=sum(shape))
+    check_backward(q, k, v, True, seed=d, window_left=window_left)
+
+
+@pytest.mark.parametrize("window_left", [-1, 100], ids=["causal", "window"])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_backward_masks_with_causal(d, dt, mask_name, window_left):
+    """A mask and the causal positions (and a window) together: blocks hidden by either are skipped,
+    rows hidden by both get zero gradients."""
+    needs_kernel(d, dt)
+    gen = torch.Generator(device=DEV).manual_seed(d + 3)
+    b, hq, hkv, sq, sk = 2, 4, 2, 300, 413
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, DTYPES[dt], layout="bshd", seed=d + 5)
+    mask = MASKS[mask_name](b, hq, sq, sk, gen)
+    if mask.dtype == torch.bfloat16 and dt == "fp16":
+        mask = mask.half()
+    check_backward(q, k, v, True, mask=mask, seed=d, window_left=window_left)
+
+
+@pytest.mark.parametrize("mask_name", ["bias", "padding_additive"])
+def test_backward_mask_gradient_with_causal(mask_name):
+    """dmask under the causal positions and a window: zero where they hide a key, dS elsewhere."""
+    d = 128 if (128, "bf16") in COMPILED else sorted(COMPILED)[0][0]
+    needs_kernel(d, "bf16")
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    b, hq, hkv, sq, sk = 2, 4, 4, 200, 257
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=12)
+    mask = {"bias": bias_f32, "padding_additive": padding_additive}[mask_name](b, hq, sq, sk, gen)
+    check_backward(q, k, v, True, mask=mask, mask_grad=True, seed=d, window_left=64)
+
+
+def test_op_backward_runs_the_kernel_for_masks_with_causal_and_windows():
+    """The op's CUDA backward takes a bool mask with is_causal and a window without any fallback."""
+    from torch._dynamo.utils import counters
+
+    d, dt = (128, "bf16") if (128, "bf16") in COMPILED else sorted(COMPILED)[0]
+    q, k, v = make_qkv(2, 4, 2, 257, 257, d, DTYPES[dt], requires_grad=True, seed=21)
+    keys = padding_bool(2, 4, 257, 257, torch.Generator(device=DEV).manual_seed(2))
+    counters.clear()
+    try:
+        for mask, window_left in ((keys, -1), (None, 64), (keys, 64)):
+            out = torch.ops.fa2_inductor.flash_attention_fwd(q, k, v, mask, 1 / math.sqrt(d), True, window_left)[0]
+            out.backward(torch.randn_like(out))
+        assert not any(key.startswith(("backward_fallback", "reference_fallback")) for key in counters["fa2_inductor"])
+    finally:
+        counters.clear()
+
+
 # ---- determinism ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["full", "causal", "gqa_causal", "mask"])
+@pytest.mark.parametrize("case", ["full", "causal", "gqa_causal", "window", "mask", "mask_causal", "mask_window"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_backward_deterministic(d, case):
     """Deterministic mode: two runs give bit-identical gradients (and still the right ones)."""
     needs_kernel(d, "bf16")
     hkv = 2 if case == "gqa_causal" else 4
     q, k, v = make_qkv(2, 4, hkv, 700, 900, d, torch.bfloat16, seed=d)
-    is_causal = case in ("causal", "gqa_causal")
-    mask = random_bool(2, 4, 700, 900, torch.Generator(device=DEV).manual_seed(1)) if case == "mask" else None
+    is_causal = case != "full" and case != "mask"
+    window_left = 300 if case.endswith("window") else -1
+    masked = case.startswith("mask")
+    mask = random_bool(2, 4, 700, 900, torch.Generator(device=DEV).manual_seed(1)) if masked else None
     g = torch.randn_like(q)
     scale = 1 / math.sqrt(d)
-    first = kernel_grads(q, k, v, g, scale, is_causal, mask, deterministic=True)
-    second = kernel_grads(q, k, v, g, scale, is_causal, mask, deterministic=True)
+    first = kernel_grads(q, k, v, g, scale, is_causal, mask, deterministic=True, window_left=window_left)
+    second = kernel_grads(q, k, v, g, scale, is_causal, mask, deterministic=True, window_left=window_left)
     for name, a, b in zip(("dq", "dk", "dv"), first, second):
         assert torch.equal(a, b), f"{name} differs between two deterministic runs"
-    ref = reference_grads(q, k, v, g, scale, is_causal, mask, False)
-    base = torch_grads(q, k, v, g, scale, is_causal, mask)
+    ref = reference_grads(q, k, v, g, scale, is_causal, mask, False, window_left)
+    base = torch_grads(q, k, v, g, scale, is_causal, mask, window_left)
     for name, x, r, bse in zip(("dq", "dk", "dv"), first, ref, base):
         assert_twice_torch_error(name, x, r, bse)
 
@@ -323,6 +409,9 @@ def test_unsupported_backward_reasons():
     ok = torch.ones(16, 16, dtype=torch.bool, device=DEV)
     assert _cuda.backward_kernel_unsupported_reason(q, q, k, v, q, ok, False, False) is None
     assert _cuda.backward_kernel_unsupported_reason(q, q, k, v, q, None, True, False) is None
+    assert _cuda.backward_kernel_unsupported_reason(q, q, k, v, q, ok, True, False, 4) is None
+    assert _cuda.backward_kernel_unsupported_reason(q, q, k, v, q, ok.float(), True, False, 4) is None
+    assert _cuda.backward_kernel_unsupported_reason(q, q, k, v, q, None, False, False, 4) == "window_left without is_causal"
     assert _cuda.backward_kernel_unsupported_reason(q, q, k, v, q, ok.double(), False, False) is not None
     assert _cuda.backward_kernel_unsupported_reason(q[:, :, :8], q, k, v, q, None, False, False) is not None
     bias = torch.zeros(1, 1, 16, 16, device=DEV)
