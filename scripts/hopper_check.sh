@@ -18,6 +18,8 @@
 #   bench       python -m fa2_inductor.bench --json bench.json --plot bench.png (BENCH_ARGS adds options)
 #   mask-bench  python -m fa2_inductor.bench --masks --json mask_bench.json
 #   train-bench python -m fa2_inductor.bench --backward --json backward.json (forward+backward, backward alone)
+#   masked-train python -m fa2_inductor.bench --backward --masks --json masked_backward.json (masked forward+backward
+#               vs FlexAttention block masks)
 #   overhead    python -m fa2_inductor.bench --overhead --json overhead.json (µs per call next to SDPA)
 #   score-mods  python -m fa2_inductor.bench --score-mods --json score_mods.json (soft-capping and sinks)
 #   decode      python -m fa2_inductor.bench --decode --json decode.json (decode steps vs every SDPA backend)
@@ -43,7 +45,7 @@ RESULTS=$(cd "${1:-./hopper_results}" && pwd)
 cd "$ROOT"
 PY=${PYTHON:-$(command -v python || command -v python3)}
 [[ -n $PY ]] || { echo "no python on PATH (set PYTHON)"; exit 2; }
-STAGES=${STAGES:-env,build,gpu-tests,sanitize,bench,mask-bench,train-bench,overhead,score-mods,decode,e2e,zoo,suite,report}
+STAGES=${STAGES:-env,build,gpu-tests,sanitize,bench,mask-bench,train-bench,masked-train,overhead,score-mods,decode,e2e,zoo,suite,report}
 BUDGET_S=${BUDGET_S:-3600}
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-300}
 START=$(date +%s)
@@ -202,14 +204,15 @@ stage_mask_bench() {
   return $rc
 }
 
-# A benchmark mode of python -m fa2_inductor.bench into NAME.json and NAME.log: stage_bench_mode NAME FLAG.
+# A benchmark mode of python -m fa2_inductor.bench into NAME.json and NAME.log: stage_bench_mode NAME FLAG...
 stage_bench_mode() {
-  limited "$PY" -m fa2_inductor.bench "$2" --json "$RESULTS/$1.json" > "$RESULTS/$1.log" 2>&1
+  limited "$PY" -m fa2_inductor.bench "${@:2}" --json "$RESULTS/$1.json" > "$RESULTS/$1.log" 2>&1
   local rc=$?
   RESULT=$(last_line "$RESULTS/$1.log")
   return $rc
 }
 stage_train_bench() { stage_bench_mode backward --backward; }
+stage_masked_train() { stage_bench_mode masked_backward --backward --masks; }
 stage_overhead() { stage_bench_mode overhead --overhead; }
 stage_score_mods() { stage_bench_mode score_mods --score-mods; }
 stage_decode() { stage_bench_mode decode --decode; }
@@ -264,7 +267,7 @@ PY
 stage_report() {
   write_summary_json
   local files=()
-  for f in summary.json bench.json mask_bench.json backward.json overhead.json score_mods.json decode.json e2e.json zoo.json; do [[ -f $RESULTS/$f ]] && files+=("$RESULTS/$f"); done
+  for f in summary.json bench.json mask_bench.json backward.json masked_backward.json overhead.json score_mods.json decode.json e2e.json zoo.json; do [[ -f $RESULTS/$f ]] && files+=("$RESULTS/$f"); done
   limited "$PY" -m fa2_inductor.bench.results "${files[@]}" -o "$RESULTS/results.md" > "$RESULTS/report.log" 2>&1
   local rc=$?
   RESULT="results.md from ${#files[@]} JSON files"
@@ -282,6 +285,7 @@ run_stage sanitize 900 stage_sanitize
 run_stage bench 900 stage_bench
 run_stage mask-bench 300 stage_mask_bench
 run_stage train-bench 900 stage_train_bench
+run_stage masked-train 600 stage_masked_train
 run_stage overhead 120 stage_overhead
 run_stage score-mods 300 stage_score_mods
 run_stage decode 300 stage_decode

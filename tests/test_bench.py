@@ -128,7 +128,8 @@ def test_cpu_refuses_paper_sized_shapes(capsys):
     assert "tiny shapes" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [[], ["--quick"], ["--masks"]], ids=["sweep", "quick", "masks"])
+@pytest.mark.parametrize("argv", [[], ["--quick"], ["--masks"], ["--backward", "--masks"]],
+                         ids=["sweep", "quick", "masks", "masked-training"])
 def test_without_cuda_the_gpu_modes_say_so_in_one_line(monkeypatch, argv):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_info:
@@ -370,6 +371,76 @@ def test_a_wrong_cell_makes_the_exit_status_fail(monkeypatch, tmp_path):
     assert "WRONG" in stdout
     record = json.loads((tmp_path / "r.json").read_text())["results"][0]
     assert record["measurements"]["fa2_inductor"]["status"] == "WRONG" and record["ratios"] == {}
+
+
+def test_masked_training_defaults_to_its_own_seqlens():
+    assert bench.parse_args(["--device", "cuda", "--backward", "--masks"]).seqlens == [2048, 8192]
+    assert bench.parse_args(["--device", "cuda", "--backward", "--masks", "--seqlens", "4096"]).seqlens == [4096]
+    assert bench.parse_args(["--device", "cuda", "--backward"]).seqlens == bench.FULL_SWEEP["seqlens"]
+
+
+def _visible_pairs(seqlen, lengths, window=None, causal=True):
+    """Visible (query, key) pairs over the batch (one key length per sequence), counted row by row."""
+    window = window or seqlen
+    return sum(min(i + 1, window, length) if causal else length for length in lengths for i in range(seqlen))
+
+
+def test_masked_training_rows_run_on_the_cpu(tmp_path):
+    from fa2_inductor.bench import results
+
+    path = tmp_path / "masked_backward.json"
+    argv = ["--backward", "--masks", "--device", "cpu", "--tokens", "32", "--hidden", "16", "--seqlens", "8", "16",
+            "--warmup", "0", "--reps", "1", "--json", str(path)]
+    status, stdout = _run_main(argv)
+    assert status == 0
+    document = json.loads(path.read_text())
+    rows = document["masked_backward"]
+    assert [(r["mask"], r["seqlen"], r["batch"]) for r in rows] == [
+        ("causal", 8, 4), ("sliding window 4", 8, 4), ("padding", 8, 4), ("padding + causal", 8, 4),
+        ("causal", 16, 2), ("sliding window 8", 16, 2), ("padding", 16, 2), ("padding + causal", 16, 2)]
+    for r in rows:
+        seqlen, batch, lengths = r["seqlen"], r["batch"], r.get("key_lengths")
+        if lengths is not None:
+            assert len(lengths) == batch and all(seqlen / 2 <= n <= seqlen for n in lengths)
+        full = [seqlen] * batch
+        expected = {"causal": _visible_pairs(seqlen, full),
+                    f"sliding window {seqlen // 2}": _visible_pairs(seqlen, full, window=seqlen // 2),
+                    "padding": _visible_pairs(seqlen, lengths or full, causal=False),
+                    "padding + causal": _visible_pairs(seqlen, lengths or full)}[r["mask"]]
+        assert r["visible_pairs"] == expected
+        assert r["visible_share"] == pytest.approx(expected / (batch * seqlen * seqlen))
+        assert (r["heads"], r["head_dim"]) == (1, 128)
+        assert r["flops"] == 3.5 * 4 * r["heads"] * expected * 128
+        *ours, flex = r["measurements"]
+        assert [m["impl"] for m in ours] == ["fa2_inductor"] * len(ours) and flex["impl"] == "flex"
+        assert len(ours) == (2 if r["mask"] in ("causal", f"sliding window {seqlen // 2}") else 1)
+        for m in ours:
+            assert m["status"] == "ok" and m["ms"] > 0 and m["max_abs_error"] < 0.05
+            assert m["tflops"] == pytest.approx(bench.tflops(r["flops"], m["ms"]))
+            assert ("speedup_vs_flex" in m) == (flex["status"] == "ok")
+        # Flex has no backward on the CPU in today's torch: its column is n/a, with the reason, never a crash.
+        assert flex["status"] == "ok" or (flex["status"] == "n/a" and flex["reason"])
+    assert "masked training" in stdout
+    if rows[0]["measurements"][-1]["status"] == "n/a":
+        assert stdout.count("note: flex n/a") == 1  # the same reason is noted once, not per row
+    text = results.render([path])
+    assert "## Masked training (`python -m fa2_inductor.bench --backward --masks`)" in text
+    assert "| causal | 8 | 4 | 56.2% | fa2_inductor is_causal |" in text
+
+
+def test_masked_training_marks_wrong_gradients_and_fails(monkeypatch, tmp_path):
+    from fa2_inductor.bench import masked_backward
+
+    real = masked_backward.flash_attention
+    monkeypatch.setattr(masked_backward, "flash_attention", lambda q, k, v, **kwargs: 2 * real(q, k, v, **kwargs))
+    path = tmp_path / "masked_backward.json"
+    argv = ["--backward", "--masks", "--device", "cpu", "--tokens", "16", "--hidden", "16", "--seqlens", "16",
+            "--warmup", "0", "--reps", "1", "--json", str(path)]
+    status, stdout = _run_main(argv)
+    assert status == 1 and "WRONG" in stdout
+    ours = [m for r in json.loads(path.read_text())["masked_backward"] for m in r["measurements"]
+            if m["impl"] == "fa2_inductor"]
+    assert len(ours) == 6 and all(m["status"] == "WRONG" and "ms" not in m for m in ours)
 
 
 def test_end_to_end_benchmark_without_cuda_says_so_in_one_line(monkeypatch):

@@ -9,7 +9,8 @@ short keeps what it measured) and a PNG plots TFLOP/s against seqlen, as the pap
 
 Modules, one job each: ``cases`` (shapes, FLOPs, inputs), ``timing`` (the timers), ``implementations``
 (what is timed and the SDPA check), ``measure`` (one cell), ``report`` (table, JSON, environment),
-``plot``, ``masks`` (the ``--masks`` rows), ``overhead`` (the ``--overhead`` rows: µs per call at a tiny shape)
+``plot``, ``masks`` (the ``--masks`` rows), ``masked_backward`` (the ``--backward --masks`` rows: masked
+training next to FlexAttention), ``overhead`` (the ``--overhead`` rows: µs per call at a tiny shape)
 and ``cli``.
 
 The FLOP count, the timers and the JSON helpers are importable for other benchmarks: ``attention_flops``,

@@ -70,7 +70,8 @@ def _inputs(cell: Cell, device: torch.device, seed: int):
     return q, k, v, torch.randn(shape, device=device, dtype=dtype, generator=gen)
 
 
-def _gradients_close(got, want, dtype) -> tuple[float, bool]:
+def gradients_close(got, want, dtype) -> tuple[float, bool]:
+    """(worst max |got - want| over the gradients, whether each is within GRAD_TOLERANCE)."""
     worst, ok = 0.0, True
     for g, w in zip(got, want):
         err = (g.float() - w.float()).abs().max().item()
@@ -103,7 +104,7 @@ def measure_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> 
             forward = FORWARDS[name](q, k, v, cell.causal, scale)
             out = forward()
             grads = torch.autograd.grad(out, inputs, g, retain_graph=True)
-            error, ok = _gradients_close(grads, reference, DTYPES[cell.dtype])
+            error, ok = gradients_close(grads, reference, DTYPES[cell.dtype])
             if not ok:
                 for mode in MODES:
                     record["modes"][mode][name] = {"status": "WRONG", "max_abs_error": error}

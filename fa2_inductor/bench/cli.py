@@ -1,4 +1,4 @@
-"""The command line: the sweep's flags, the run cell by cell, ``--replot`` and ``--masks``.
+"""The command line: the sweep's flags, the run cell by cell, ``--replot`` and the other modes' dispatch.
 
 It lives here rather than in ``__main__`` so that the package can re-export ``main`` without importing
 ``__main__`` (which ``python -m`` would then warn about and run a second time).
@@ -19,6 +19,8 @@ from .backward import backward_rows
 from .decode import decode_rows
 from .cases import CAUSAL_CHOICES, DTYPES, PAPER_HIDDEN, PAPER_TOKENS, sweep_cells
 from .implementations import DEFAULT_IMPLS, IMPLEMENTATIONS, TOLERANCES
+from .masked_backward import SEQLENS as MASKED_TRAINING_SEQLENS
+from .masked_backward import masked_backward_rows
 from .masks import mask_rows
 from .overhead import run_overhead
 from .score_mods import score_mod_rows
@@ -101,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
         "--masks", action="store_true",
         help="only the attention-mask rows (bf16, D=128, --tokens/--hidden shapes): causal as a bool mask vs "
         "is_causal, padding vs no mask at the same visible keys, sliding window vs SDPA, HF/T5 additive masks, "
-        "pre-pass cost; writes --json",
+        "pre-pass cost; writes --json. With --backward: the masked training rows instead (see --backward)",
     )
     parser.add_argument(
         "--score-mods", action="store_true",
@@ -116,15 +118,26 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--backward", action="store_true",
         help="training rows instead: forward+backward and backward alone of fa2_inductor, sdpa_flash and "
-        "sdpa_cudnn on the sweep's cells (gradients checked first); writes --json and two plots beside --plot",
+        "sdpa_cudnn on the sweep's cells (gradients checked first); writes --json and two plots beside --plot. "
+        "With --masks: masked training instead, forward+backward of our masks (causal as a bool tensor and "
+        "is_causal, a 1024-key sliding window as window_left and as a bool tensor, a padding key mask, padding + "
+        f"causal) next to FlexAttention's block masks (bf16, D=128, --tokens/--hidden shapes, --seqlens default "
+        f"{MASKED_TRAINING_SEQLENS}); TFLOP/s over the visible pairs; writes --json; --device cpu tests its logic",
     )
     return parser
+
+
+def masked_training(args: argparse.Namespace) -> bool:
+    return args.backward and args.masks
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = _parser()
     args = parser.parse_args(argv)
-    for key, value in (QUICK_SWEEP if args.quick else FULL_SWEEP).items():
+    defaults = QUICK_SWEEP if args.quick else FULL_SWEEP
+    if masked_training(args):
+        defaults = {**defaults, "seqlens": MASKED_TRAINING_SEQLENS}
+    for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.impls = list(dict.fromkeys(args.impls))
@@ -189,12 +202,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit status 1 when any implementation was WRONG or failed, so a script running the sweep notices."""
     args = parse_args(argv)
     modes = [flag for flag in ("masks", "sites", "backward", "score_mods", "decode") if getattr(args, flag)]
-    if args.replot is None and (modes or torch.device(args.device).type == "cuda"):
-        mode = "".join(f" --{flag.replace('_', '-')}" for flag in modes)
-        exit_without_cuda(f"python -m fa2_inductor.bench{mode}", f"python -m fa2_inductor.bench {CPU_SMOKE_FLAGS}")
+    device_type = torch.device(args.device).type
+    mode = "".join(f" --{flag.replace('_', '-')}" for flag in modes)
+    # Masked training is the one mode whose logic also runs on the CPU (with the reference as our op).
+    cpu_logic = masked_training(args) and device_type == "cpu"
+    if args.replot is None and not cpu_logic and (modes or device_type == "cuda"):
+        smoke_mode = mode if masked_training(args) else ""
+        exit_without_cuda(f"python -m fa2_inductor.bench{mode}",
+                          f"python -m fa2_inductor.bench{smoke_mode} {CPU_SMOKE_FLAGS}")
     if args.overhead:
         run_overhead(args)
         return 0
+    if masked_training(args):
+        return masked_backward_rows(args)
     if args.masks:
         return mask_rows(args)
     if args.sites:

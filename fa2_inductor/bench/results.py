@@ -1,8 +1,9 @@
 """``python -m fa2_inductor.bench.results FILE.json ...``: the measured-results document, in markdown.
 
 It reads the JSON the benchmarks write (``python -m fa2_inductor.bench --json``, ``--masks``, ``--backward``,
-``--overhead``, ``--score-mods``, ``python -m fa2_inductor.bench_e2e --json``, ``--zoo``) and the ``summary.json`` of ``scripts/hopper_check.sh``, and
-prints one section per file with the tables and where, when and with which build they were measured.
+``--backward --masks``, ``--overhead``, ``--score-mods``, ``python -m fa2_inductor.bench_e2e --json``,
+``--zoo``) and the ``summary.json`` of ``scripts/hopper_check.sh``, and prints one section per file with the
+tables and where, when and with which build they were measured.
 docs/results.md is this command's output over docs/measurements/*.json.
 """
 
@@ -197,6 +198,31 @@ def _backward(doc: dict, source: str) -> list[str]:
                            "fa2/flash", "fa2/cudnn"], rows)
 
 
+# ---------------------------------------------------------------- python -m fa2_inductor.bench --backward --masks
+
+
+def _masked_backward(doc: dict, source: str) -> list[str]:
+    settings = doc["settings"]
+    lines = ["## Masked training (`python -m fa2_inductor.bench --backward --masks`)", "",
+             measured_on(doc["environment"], source), "",
+             f"Forward + one backward, bf16, head dim {settings['head_dim']}, batch·seqlen = {settings['tokens']}, "
+             f"heads·head_dim = {settings['hidden']}; median ms of {settings['reps']} calls, gradients checked "
+             "against SDPA's with the same mask first. TFLOP/s over the visible (query, key) pairs only "
+             f"({settings['fwd_bwd_flops_factor']} × 4·B·H·pairs·D). Flex: `torch.compile(flex_attention)` with a "
+             "block mask of the same mask; Flex / ours is its time over ours (above 1: ours faster).", ""]
+    rows = []
+    for r in doc["masked_backward"]:
+        for m in r["measurements"]:
+            ok = m["status"] == "ok"
+            rows.append([r["mask"], r["seqlen"], r["batch"], f"{100 * r['visible_share']:.1f}%",
+                         f"{m['impl']} {m['form']}", _number(m.get("ms"), 3) if ok else m["status"],
+                         _number(m.get("tflops")) if ok else "-", _number(m.get("speedup_vs_flex"), 2)])
+    reasons = dict.fromkeys(f"- {m['impl']} {m['status']}: {m['reason']}" for r in doc["masked_backward"]
+                            for m in r["measurements"] if m.get("reason"))
+    table = _table(["mask", "seqlen", "batch", "visible", "implementation", "ms", "TFLOP/s", "Flex / ours"], rows)
+    return lines + table + ([""] + list(reasons) if reasons else [])
+
+
 # ---------------------------------------------------------------- python -m fa2_inductor.bench --overhead
 
 
@@ -283,6 +309,7 @@ _KINDS: list[tuple[Callable[[dict], bool], Callable[[dict, str], list[str]]]] = 
     (lambda doc: "model" in doc and "results" in doc, _end_to_end),
     (lambda doc: "ratios" in doc and "entries" in doc, _zoo),
     (lambda doc: "backward" in doc, _backward),
+    (lambda doc: "masked_backward" in doc, _masked_backward),
     (lambda doc: "score_mod_rows" in doc, _score_mods),
     (lambda doc: "decode_rows" in doc, _decode),
     (lambda doc: "rows" in doc and "shape" in doc, _overhead),
