@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -852,12 +853,13 @@ std::array<int64_t, 4> broadcast_strides(const char* fn, const at::Tensor& t, co
 }  // namespace
 
 // Attention backward into preallocated dq [B,Hq,Sq,D] and dk, dv [B,Hkv,Sk,D] (any TMA-compatible
-// strides). mask (optional): as fwd_masked takes it, with or without is_causal; window_left as the forward's. dmask (optional, additive masks): float32, zeroed,
+// strides). mask (optional): as fwd_masked takes it, with or without is_causal; window_left and softcap as the
+// forward's (softcap not with an additive mask). dmask (optional, additive masks): float32, zeroed,
 // expanded to [B,Hq,Sq,Sk] with zero strides on the dims to sum over; receives dS added in.
 void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
          const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, double scale, bool is_causal,
          bool deterministic, const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& dmask,
-         int64_t window_left) {
+         int64_t window_left, double softcap) {
   constexpr const char* fn = "fa2_inductor._C.bwd";
   const fa2::FwdParams f = describe_call(fn, q, k, v, out, lse, scale);
   FA2_CHECK(f.batch > 0 && f.heads_q > 0 && f.seqlen_q > 0 && f.seqlen_k > 0, fn,
@@ -896,6 +898,8 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   // A window as long as the queries hides nothing: none (and no sum of positions overflows).
   p.window_left = check_window(fn, is_causal, window_left) >= f.seqlen_q ? -1 : int(window_left);
   p.deterministic = deterministic;
+  FA2_CHECK(softcap >= 0.0 && std::isfinite(softcap), fn, ": softcap must be a finite number >= 0, got ", softcap);
+  p.softcap = float(softcap);
 
   int variant = is_causal ? 1 : 0;
   if (mask.has_value()) {
@@ -914,6 +918,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
     const int64_t class_slices = (s[0] == 0 ? 1 : f.batch) * (s[1] == 0 ? 1 : f.heads_q);
     FA2_CHECK(class_slices <= 65535, fn, ": mask too large for the block classification grid");
   }
+  FA2_CHECK(!(p.softcap > 0.f && variant == 3), fn, ": softcap together with an additive mask is not supported");
   if (dmask.has_value()) {
     FA2_CHECK(variant == 3, fn, ": dmask needs an additive mask");
     const at::Tensor& g = *dmask;
@@ -939,7 +944,8 @@ void register_bwd(pybind11::module_& m) {
         pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
         pybind11::arg("lse"), pybind11::arg("dq"), pybind11::arg("dk"), pybind11::arg("dv"), pybind11::arg("scale"),
         pybind11::arg("is_causal"), pybind11::arg("deterministic"), pybind11::arg("mask") = pybind11::none(),
-        pybind11::arg("dmask") = pybind11::none(), pybind11::arg("window_left") = -1);
+        pybind11::arg("dmask") = pybind11::none(), pybind11::arg("window_left") = -1,
+        pybind11::arg("softcap") = 0.0);
 }
 // ===== end of the backward kernel binding ========================================================
 

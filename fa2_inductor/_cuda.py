@@ -132,14 +132,14 @@ def backward_kernel_unsupported_reason(
     softcap: float = 0.0, sinks: Optional[Tensor] = None,
 ) -> Optional[str]:
     """None when ``backward_kernel`` runs this call: what the forward kernel covers (masks, causal and
-    windows, alone or together), less soft-capping. Sinks need nothing of the kernel: the LSE holds them
-    and ``sinks_gradient`` gives theirs."""
+    windows, alone or together; soft-capping), less soft-capping with an additive mask. Sinks need nothing
+    of the kernel: the LSE holds them and ``sinks_gradient`` gives theirs."""
     if not hasattr(_extension.C, "bwd"):
         return "kernel built without the backward"
     if os.environ.get("FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL", "0") == "1":
         return "backward kernel disabled (FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL=1)"
-    if softcap:
-        return "softcap (the backward kernel has no soft-capping)"
+    if softcap and attn_mask is not None and attn_mask.dtype != torch.bool:
+        return "softcap with an additive mask (the backward kernel recovers capped scores from P, which the mask shifts)"
     if window_left != -1 and not is_causal:
         return "window_left without is_causal"
     # Every backward kernel takes causal and a window, so the forward's rules are asked without them (its
@@ -164,6 +164,7 @@ def backward_kernel_unsupported_reason(
 def backward_kernel(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     attn_mask: Optional[Tensor], scale: float, is_causal: bool, compute_mask_grad: bool, window_left: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dmask) from the Hopper backward kernel (only where ``backward_kernel_unsupported_reason``
     accepted the call): contiguous, in the inputs' dtypes; dmask empty unless compute_mask_grad.
@@ -187,7 +188,7 @@ def backward_kernel(
         mask = None if attn_mask is None else attn_mask.expand(b, hq, sq, sk)
         dmask = None if dmask_sum is None else dmask_sum.expand(b, hq, sq, sk)
         _extension.C.bwd(grad_out, q, k, v, out, lse, dq, dk, dv, float(scale), bool(is_causal),
-                         torch.are_deterministic_algorithms_enabled(), mask, dmask, int(window_left))
+                         torch.are_deterministic_algorithms_enabled(), mask, dmask, int(window_left), float(softcap))
     if dmask_sum is None:
         return dq, dk, dv, q.new_empty(0)
     return dq, dk, dv, dmask_sum.reshape(attn_mask.shape).to(attn_mask.dtype)

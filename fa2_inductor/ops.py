@@ -184,7 +184,7 @@ def _flash_attention_bwd_cuda(grad_out, q, k, v, out, lse, attn_mask, scale, is_
                                                       window_left, softcap, sinks)
     if reason is None:
         dq, dk, dv, dmask = _cuda.backward_kernel(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal,
-                                                  compute_mask_grad, window_left)
+                                                  compute_mask_grad, window_left, softcap)
     else:
         from torch._dynamo.utils import counters
 

@@ -43,8 +43,10 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   if (p.head_dim <= 0 || p.head_dim > T::kHeadDim || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) {
     return cudaErrorInvalidValue;
   }
-  // Causal is the unmasked kernels' template argument; a window needs causal.
-  if ((T::kMask == MaskKind::kNone && p.causal != T::kCausal) || (p.window_left >= 0 && !p.causal)) {
+  // Causal is the unmasked kernels' template argument; a window needs causal; soft-capping is recovered
+  // from log2 probabilities, which an additive mask's values would shift.
+  if ((T::kMask == MaskKind::kNone && p.causal != T::kCausal) || (p.window_left >= 0 && !p.causal) ||
+      (p.softcap > 0.f && T::kMask == MaskKind::kAdditive)) {
     return cudaErrorInvalidValue;
   }
   const BwdPlan<T> plan = plan_bwd<T>(p);
@@ -116,6 +118,9 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
       p.deterministic,
       p.causal,
       p.causal ? p.window_left : -1,
+      p.softcap > 0.f ? p.scale / p.softcap : 0.f,
+      p.softcap > 0.f ? p.softcap / p.scale : 0.f,
+      p.softcap > 0.f ? 1.f / (p.softcap * float(M_LOG2E)) : 0.f,
       {},  // mask: filled below for the masked kernels
   };
   if constexpr (T::kMask != MaskKind::kNone) {

@@ -323,6 +323,10 @@ CUTE_DEVICE void probabilities(const BwdKernelArgs<Traits>& args, TensorS& tSrS,
       }
     }
   } else {
+    if (args.softcap_in != 0.f) {  // the forward's soft-capping of the raw score, before any mask
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) tSrS(i) = args.softcap_out * tanh_approx(tSrS(i) * args.softcap_in);
+    }
     CUTE_UNROLL
     for (int i = 0; i < size(tSrS); ++i) tSrS(i) = exp2f(tSrS(i) * args.scale_log2 - lse[get<1>(tScS(i))]);
     if constexpr (T::kMask == MaskKind::kBool) {
@@ -349,9 +353,25 @@ CUTE_DEVICE void probabilities(const BwdKernelArgs<Traits>& args, TensorS& tSrS,
   }
 }
 
-// dS = P * (dP - D) on the dP^T fragment, in place. dsum: this query tile's D rows.
-template <class TensorDP, class TensorP, class TensorC>
-CUTE_DEVICE void score_gradients(TensorDP& tdPrdP, const TensorP& tSrP, const TensorC& tScS, const float* dsum) {
+// dS = P * (dP - D) on the dP^T fragment, in place. dsum: this query tile's D rows. Soft-capped scores
+// x = cap * tanh(scale * s / cap) also carry dx/ds = scale * (1 - tanh^2) (the scale is applied later, as
+// without soft-capping); tanh comes back from P itself, log2 P + LSE = x * log2 e, so no fragment has to
+// live from the S GEMM to here (P = 0, masked or past the row's end, gives 0 either way).
+template <class Traits, class TensorDP, class TensorP, class TensorC>
+CUTE_DEVICE void score_gradients(const BwdKernelArgs<Traits>& args, TensorDP& tdPrdP, const TensorP& tSrP,
+                                 const TensorC& tScS, const float* dsum, const float* lse) {
+  if constexpr (Traits::kMask != MaskKind::kAdditive) {
+    if (args.softcap_in != 0.f) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(tdPrdP); ++i) {
+        const float p = tSrP(i);
+        const float t = (__log2f(p) + lse[get<1>(tScS(i))]) * args.softcap_tanh_per_log2;
+        const float slope = p > 0.f ? 1.f - fminf(t * t, 1.f) : 0.f;
+        tdPrdP(i) = p * (tdPrdP(i) - dsum[get<1>(tScS(i))]) * slope;
+      }
+      return;
+    }
+  }
   CUTE_UNROLL
   for (int i = 0; i < size(tdPrdP); ++i) tdPrdP(i) = tSrP(i) * (tdPrdP(i) - dsum[get<1>(tScS(i))]);
 }
@@ -471,7 +491,8 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
       probabilities<T>(args, tSrS, tScS, smem.lse.data() + read_q.index() * T::kBlockM, entry, m_block, head, batch);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdPrdP);
-      score_gradients(tdPrdP, tSrS, tScS, smem.dsum.data() + read_do.index() * T::kBlockM);
+      score_gradients<T>(args, tdPrdP, tSrS, tScS, smem.dsum.data() + read_do.index() * T::kBlockM,
+                         smem.lse.data() + read_q.index() * T::kBlockM);
       if constexpr (T::kMask == MaskKind::kAdditive) {
         if (args.mask.dmask != nullptr) {
           add_mask_gradient(args.mask, tdPrdP, tScS, batch, head, m0, bwd_key_block<T>(args) * T::kBlockN,

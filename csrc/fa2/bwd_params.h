@@ -36,6 +36,7 @@ struct BwdParams {
   float scale = 1.0f;          // softmax scale applied to Q.K^T (any sign)
   bool causal = false;         // top-left aligned: query i sees keys j <= i (also with a mask: both apply)
   int window_left = -1;        // with causal: query i sees only keys j >= i - window_left; -1: no window
+  float softcap = 0.0f;        // > 0: the forward soft-capped the scaled scores (not with an additive mask)
   bool deterministic = false;  // dQ (and dmask) summed in a fixed order: bit-identical run to run
 
   // Attention mask (masked instantiations only), seen as [B, Hq, Sq, Sk] through its strides (0 on

@@ -235,6 +235,9 @@ struct BwdKernelArgs {
   bool deterministic;
   bool causal;      // masked kernels: the causal positions are hidden too (unmasked ones: Traits::kCausal)
   int window_left;  // with causal: keys before query - window_left are hidden too; -1: no window
+  // Soft-capping (bool-masked and unmasked kernels): the forward's transform of the raw score (softcap_in = 0:
+  // none), and 1 / (cap * log2 e), which turns a probability's log2 back into tanh (see score_gradients).
+  float softcap_in, softcap_out, softcap_tanh_per_log2;
   typename Traits::MaskArgsT mask;  // empty for MaskKind::kNone
 };
 

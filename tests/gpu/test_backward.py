@@ -39,7 +39,7 @@ def causal_bool(sq, sk, window_left=-1):
     return visible & (j >= i - window_left) if window_left >= 0 else visible
 
 
-def torch_grads(q, k, v, g, scale, is_causal, mask, window_left=-1):
+def torch_grads(q, k, v, g, scale, is_causal, mask, window_left=-1, softcap=0.0):
     """Plain PyTorch attention in q's dtype through autograd (the error baseline): float32 softmax, rows
     without any visible key give 0. GQA by repeating heads (autograd sums them back)."""
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
@@ -48,6 +48,8 @@ def torch_grads(q, k, v, g, scale, is_causal, mask, window_left=-1):
         mask_leaf = mask.detach().requires_grad_(True)
     rep = q.shape[1] // k.shape[1]
     s = (torch.matmul(q, k.repeat_interleave(rep, 1).transpose(-1, -2)) * scale).float()
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if is_causal:
         s = s.masked_fill(~causal_bool(q.shape[2], k.shape[2], window_left), float("-inf"))
     if mask is not None:
@@ -59,23 +61,24 @@ def torch_grads(q, k, v, g, scale, is_causal, mask, window_left=-1):
     return q.grad, k.grad, v.grad, (None if mask_leaf is None else mask_leaf.grad)
 
 
-def reference_grads(q, k, v, g, scale, is_causal, mask, compute_mask_grad, window_left=-1):
+def reference_grads(q, k, v, g, scale, is_causal, mask, compute_mask_grad, window_left=-1, softcap=0.0):
     """The float64 reference: the op's own reference backward on float64 inputs."""
     qd, kd, vd, gd = (t.double() for t in (q, k, v, g))
     md = None if mask is None or mask.dtype == torch.bool else mask.double()
     md = mask if md is None else md
-    out, lse = attention_reference(qd, kd, vd, attn_mask=md, scale=scale, is_causal=is_causal, window_left=window_left)
-    return attention_backward(gd, qd, kd, vd, out, lse, md, scale, is_causal, compute_mask_grad, window_left)
+    out, lse = attention_reference(qd, kd, vd, attn_mask=md, scale=scale, is_causal=is_causal, window_left=window_left,
+                                   softcap=softcap)
+    return attention_backward(gd, qd, kd, vd, out, lse, md, scale, is_causal, compute_mask_grad, window_left, softcap)
 
 
-def kernel_forward(q, k, v, scale, is_causal, mask, window_left=-1):
+def kernel_forward(q, k, v, scale, is_causal, mask, window_left=-1, softcap=0.0):
     """(out, lse) of the forward kernel; where it has no kernel for the call (an additive mask with is_causal
     has no causal forward instantiation by default) the float32 reference's, in q's dtype."""
     b, hq, sq, d = q.shape
     out = torch.empty(b, sq, hq, d, device=DEV, dtype=q.dtype).transpose(1, 2)
     lse = torch.empty(b, hq, sq, device=DEV, dtype=torch.float32)
-    if _cuda.kernel_unsupported_reason(q, k, v, mask, is_causal, window_left) is None:
-        _cuda.forward(q, k, v, scale, is_causal, out, lse, attn_mask=mask, window_left=window_left)
+    if _cuda.kernel_unsupported_reason(q, k, v, mask, is_causal, window_left, softcap) is None:
+        _cuda.forward(q, k, v, scale, is_causal, out, lse, attn_mask=mask, window_left=window_left, softcap=softcap)
         return out, lse
     assert mask is not None and mask.dtype != torch.bool and is_causal
     ref_out, ref_lse = attention_reference(q.float(), k.float(), v.float(), attn_mask=mask.float(), scale=scale,
@@ -85,10 +88,10 @@ def kernel_forward(q, k, v, scale, is_causal, mask, window_left=-1):
 
 
 def kernel_grads(q, k, v, g, scale, is_causal, mask=None, dmask=None, deterministic=False, out_layout="bshd",
-                 window_left=-1):
+                 window_left=-1, softcap=0.0):
     """The backward kernel straight through the binding, into NaN-poisoned gradient buffers (bshd: the
     strides of a [B, S, H, D] buffer, so the TMA stores run on non-contiguous outputs)."""
-    out, lse = kernel_forward(q, k, v, scale, is_causal, mask, window_left)
+    out, lse = kernel_forward(q, k, v, scale, is_causal, mask, window_left, softcap)
 
     def poisoned(t):
         b, h, s, d = t.shape
@@ -100,7 +103,7 @@ def kernel_grads(q, k, v, g, scale, is_causal, mask=None, dmask=None, determinis
     expanded = None if mask is None else mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     dmask_view = None if dmask is None else dmask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     _extension.C.bwd(g, q, k, v, out, lse, dq, dk, dv, scale, is_causal, deterministic, expanded, dmask_view,
-                     window_left)
+                     window_left, softcap)
     torch.cuda.synchronize()
     return dq, dk, dv
 
@@ -113,16 +116,16 @@ def assert_twice_torch_error(name, got, ref, base):
     assert err <= tol, f"{name}: error {err:.3e} > 2 x torch {got.dtype} error {base_err:.3e}"
 
 
-def check_backward(q, k, v, is_causal, mask=None, scale=None, mask_grad=False, seed=0, window_left=-1):
+def check_backward(q, k, v, is_causal, mask=None, scale=None, mask_grad=False, seed=0, window_left=-1, softcap=0.0):
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     gen = torch.Generator(device=DEV).manual_seed(seed)
     g = torch.randn(q.shape, device=DEV, dtype=q.dtype, generator=gen)
     dmask = None
     if mask_grad:
         dmask = torch.zeros((1,) * (4 - mask.dim()) + tuple(mask.shape), device=DEV, dtype=torch.float32)
-    got = kernel_grads(q, k, v, g, scale, is_causal, mask, dmask, window_left=window_left)
-    ref = reference_grads(q, k, v, g, scale, is_causal, mask, mask_grad, window_left)
-    base = torch_grads(q, k, v, g, scale, is_causal, mask, window_left)
+    got = kernel_grads(q, k, v, g, scale, is_causal, mask, dmask, window_left=window_left, softcap=softcap)
+    ref = reference_grads(q, k, v, g, scale, is_causal, mask, mask_grad, window_left, softcap)
+    base = torch_grads(q, k, v, g, scale, is_causal, mask, window_left, softcap)
     for name, x, r, bse in zip(("dq", "dk", "dv"), got, ref, base):
         assert x.shape == r.shape, name
         assert_twice_torch_error(name, x, r, bse)
@@ -363,6 +366,31 @@ def test_op_backward_runs_the_kernel_for_masks_with_causal_and_windows():
         counters.clear()
 
 
+# ---- soft-capping ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["full", "causal", "window", "padding", "padding_causal", "empty_rows"])
+@pytest.mark.parametrize("softcap", [5.0, 30.0])
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_backward_softcap(d, dt, softcap, case):
+    """Soft-capped scores (Gemma 2's cap * tanh(x / cap)): small caps saturate many scores (the slope 1 - tanh^2
+    far from 1), large ones few; with bool masks, causal positions and windows."""
+    needs_kernel(d, dt)
+    gen = torch.Generator(device=DEV).manual_seed(d + 17)
+    b, hq, hkv, sq, sk = 2, 4, 2, 300, 413
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, DTYPES[dt], layout="bshd", seed=d + 19)
+    q = q * 3  # scores of a few units, so that a cap of 5 bends them
+    mask = None
+    if case.startswith("padding"):
+        mask = padding_bool(b, hq, sq, sk, gen)
+    elif case == "empty_rows":
+        mask = empty_rows_bool(b, hq, sq, sk, gen)
+    is_causal = case in ("causal", "window", "padding_causal")
+    window_left = 100 if case == "window" else -1
+    check_backward(q, k, v, is_causal, mask=mask, seed=d, window_left=window_left, softcap=softcap)
+
+
 # ---- determinism ------------------------------------------------------------------------------------
 
 
@@ -412,6 +440,9 @@ def test_unsupported_backward_reasons():
     assert _cuda.backward_kernel_unsupported_reason(q, q, k, v, q, ok, True, False, 4) is None
     assert _cuda.backward_kernel_unsupported_reason(q, q, k, v, q, ok.float(), True, False, 4) is None
     assert _cuda.backward_kernel_unsupported_reason(q, q, k, v, q, None, False, False, 4) == "window_left without is_causal"
+    assert _cuda.backward_kernel_unsupported_reason(q, q, k, v, q, ok, True, False, -1, 30.0) is None
+    assert _cuda.backward_kernel_unsupported_reason(q, q, k, v, q, ok.float(), False, False, -1, 30.0).startswith(
+        "softcap with an additive mask")
     assert _cuda.backward_kernel_unsupported_reason(q, q, k, v, q, ok.double(), False, False) is not None
     assert _cuda.backward_kernel_unsupported_reason(q[:, :, :8], q, k, v, q, None, False, False) is not None
     bias = torch.zeros(1, 1, 16, 16, device=DEV)

@@ -171,10 +171,13 @@ def test_sinks_train_on_the_kernels(dt, is_causal, fresh_counters):
         assert err <= 2 * base_err + 1e-4 * max(1.0, r.abs().max().item()), f"{name}: {err:.3e} vs {base_err:.3e}"
 
 
-def test_softcapped_backward_is_the_reference_counted(fresh_counters):
+def test_softcapped_backward_runs_the_kernel_except_with_an_additive_mask(fresh_counters):
     d = HEAD_DIMS[0]
     q, k, v = make_qkv(1, 2, 2, 64, 64, d, torch.bfloat16, requires_grad=True)
+    fa2_inductor.flash_attention(q, k, v, is_causal=True, softcap=20.0).sum().backward()
+    assert not any(key.startswith(("reference_fallback", "backward_fallback")) for key in fresh_counters), dict(
+        fresh_counters)
+    bias = torch.zeros(1, 1, 64, 64, device=DEV, dtype=torch.bfloat16)
     with pytest.warns(UserWarning, match="softcap"):
-        fa2_inductor.flash_attention(q, k, v, is_causal=True, softcap=20.0).sum().backward()
-    assert fresh_counters["backward_fallback:softcap (the backward kernel has no soft-capping)"] == 1
-    assert not any(key.startswith("reference_fallback:") and "backward" not in key for key in fresh_counters)
+        fa2_inductor.flash_attention(q, k, v, attn_mask=bias, softcap=20.0).sum().backward()
+    assert sum(n for key, n in fresh_counters.items() if key.startswith("backward_fallback:softcap with an additive")) == 1
