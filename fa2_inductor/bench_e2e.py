@@ -168,7 +168,7 @@ class TrainingStep:
     model computes the loss), ``loss.backward()``; the step's loss and checked gradients are what uncompiled
     SDPA's must match. The model is called as a tokenizer and a collator feed it, with an ``attention_mask``:
 
-    "train": batch 1, seqlen tokens, the mask all ones (the prefill's tokens, for training);
+    "train": batch 1, seqlen tokens, the mask all ones (the prefill's shape, for training);
     "train_padded": batch 2 of seqlen, the second row right-padded after PADDED_ROW_FRACTION of seqlen
     (pad token 0, mask 0 and labels IGNORED_LABEL on the padding). The tokens are fixed per length.
     No KV cache (``use_cache=False``): a training step has no use for one.
