@@ -1,4 +1,5 @@
-"""End-to-end forward benchmark of a Llama-shaped model (see fa2_inductor/bench_e2e.py).
+"""End-to-end benchmark of a Llama-shaped model: inference, and with ``--phases train train_padded`` a training
+step (see fa2_inductor/bench_e2e.py).
 
     python examples/benchmark_hf_model.py            # H200: 4 layers, hidden 2048, 2k and 8k tokens, bf16
     python examples/benchmark_hf_model.py --tiny     # CPU: a 2-layer float32 model, to see it work

@@ -1,11 +1,17 @@
-"""``python -m fa2_inductor.bench_e2e``: forward time of a whole Llama-shaped model, fa2_inductor against its peers.
+"""``python -m fa2_inductor.bench_e2e``: a whole Llama-shaped model, fa2_inductor against its peers.
 
 A random-weight Llama (hidden 2048, 16 heads, 8 KV heads, 4 layers, bf16) runs, in every variant below
-and in the same process, a forward pass over ``--seqlens`` tokens (prefill; batch 1, no padding), one
-decode step (1 token against a static or a dynamic KV cache of that many tokens) and ``generate()`` of
-32 greedy tokens after a prompt of that many (a static cache, its decode steps compiled the way transformers
-compiles them: CUDA graphs, the variant's backend; timed per new token). Each is checked against
-uncompiled SDPA (logits; generate: the tokens), then timed (median of ``--reps``):
+and in the same process, over ``--seqlens`` tokens. Inference phases (the default): a forward pass
+(prefill; batch 1, no padding), one decode step (1 token against a static or a dynamic KV cache of that
+many tokens) and ``generate()`` of 32 greedy tokens after a prompt of that many (a static cache, its decode
+steps compiled the way transformers compiles them: CUDA graphs, the variant's backend; timed per new token).
+Training phases (``--phases train train_padded``): one training step without an optimizer (forward with
+labels, the loss, ``loss.backward()``; the model in train mode, gradients set to None before each step),
+called as a tokenizer and a collator feed it: ``train`` is batch 1 with an ``attention_mask`` of ones,
+``train_padded`` batch 2 whose second row is right-padded to 3/4 of the length (mask 0 and labels -100 on
+the padding). Each is checked against uncompiled SDPA (logits; generate: the tokens; training: the loss and
+the gradients of the first layer's q/k/v projections and the last layer's o_proj), then timed (median of
+``--reps``):
 
     eager                      attn_implementation="eager", no compile
     eager-attn + Inductor      "eager",  torch.compile(backend="inductor")
@@ -16,14 +22,16 @@ uncompiled SDPA (logits; generate: the tokens), then timed (median of ``--reps``
     fa2_inductor interface     attn_implementation="fa2_inductor" (fa2_inductor.hf), no compile
 
 It prints ms and the ratio to "sdpa + Inductor" per phase and length, with how many attention sites the
-pass rewrote (decode steps must never be slower than plain Inductor), and writes everything to ``--json``.
-``--tiny`` runs a 2-layer float32 model on CPU with the pass enabled there (``config.rewrite_on_cpu``),
-which is what the test uses.
+pass rewrote (decode steps must never be slower than plain Inductor) and how many op calls fell back
+(to the reference; training: backward calls that did not run our backward kernel), and writes everything,
+with every fa2_inductor counter, to ``--json``. ``--tiny`` runs a 2-layer float32 model on CPU with the pass
+enabled there (``config.rewrite_on_cpu``), which is what the test uses.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,8 +46,12 @@ from .bench import environment, exit_without_cuda, time_calls, write_json, zoo
 from .bench.timing import keep_busy
 
 BASELINE = "sdpa + Inductor"
-PHASES = ("prefill", "decode", "decode_dynamic", "generate")
+INFERENCE_PHASES = ("prefill", "decode", "decode_dynamic", "generate")
+TRAINING_PHASES = ("train", "train_padded")
+PHASES = INFERENCE_PHASES + TRAINING_PHASES
 GENERATED_TOKENS = 32  # new tokens per timed generate() call
+PADDED_ROW_FRACTION = 0.75  # train_padded: the second row's tokens, as a fraction of seqlen; padding after them
+IGNORED_LABEL = -100  # what a collator puts in the labels where the loss must not look (transformers' ignore_index)
 
 
 @dataclass(frozen=True)
@@ -71,15 +83,18 @@ TINY_SHAPE = dict(
 
 @dataclass
 class Result:
-    phase: str  # "prefill": the whole sequence; "decode": one token against a cache of seqlen tokens
+    phase: str  # "prefill": the whole sequence; "decode": one token against a cache of seqlen tokens; ...
     variant: str
     seqlen: int
     median_ms: Optional[float] = None
     rewrites: int = 0
     reference_fallbacks: int = 0  # op calls that ran the slow reference on the GPU (should be 0)
-    counters: dict = field(default_factory=dict)  # every fa2_inductor counter (rewrite forms, refusals)
-    max_abs_diff: Optional[float] = None
+    backward_fallbacks: int = 0  # op backward calls that did not run our backward kernel (counted per call)
+    counters: dict = field(default_factory=dict)  # every fa2_inductor counter (rewrite forms, refusals, fallbacks)
+    max_abs_diff: Optional[float] = None  # max|Δlogits|
     tokens_differing: Optional[int] = None  # generate: new tokens unlike uncompiled SDPA's
+    loss_diff: Optional[float] = None  # training: |Δloss|
+    grad_rel_diff: Optional[float] = None  # training: max over checked_gradients() of max|Δgrad| / max|grad|
     error: Optional[str] = None
 
 
@@ -93,7 +108,7 @@ def build_model(shape: dict, attn_implementation: str, dtype: torch.dtype, devic
 
 
 class Workload:
-    """One phase at one length: the call to time, and the uncompiled SDPA logits it must reproduce.
+    """One inference phase at one length: the call to time, and the uncompiled SDPA logits it must reproduce.
 
     Decode phases run one new token against a KV cache already holding seqlen tokens: a StaticCache
     ("decode", the cache transformers compiles with; its mask depends on the cache position at run time)
@@ -101,10 +116,12 @@ class Workload:
     the cache to seqlen tokens (the same cheap step in every variant), so every timed step sees the same state.
     """
 
+    training = False
+
     def __init__(self, phase: str, shape: dict, dtype, device, seqlen: int):
         from transformers import DynamicCache, StaticCache
 
-        self.phase, self.seqlen = phase, seqlen
+        self.phase, self.seqlen, self.max_len = phase, seqlen, seqlen + 1
         ids = torch.randint(0, shape["vocab_size"], (1, seqlen + 1), generator=torch.Generator().manual_seed(1))
         ids = ids.to(device)
         reference_model = build_model(shape, "sdpa", dtype, device, seqlen + 1)
@@ -129,11 +146,80 @@ class Workload:
             self.cache.crop(self.seqlen)
         return forward(**self.kwargs).logits
 
+    def check(self, result: Result, logits: torch.Tensor, model) -> None:
+        result.max_abs_diff = (logits.float() - self.reference.float()).abs().max().item()
+
+
+def checked_gradients(model) -> dict:
+    """The parameter gradients a training step is checked on: the first layer's q/k/v projections (the
+    attention backward's dq, dk, dv, padding keys included) and the last layer's o_proj (the attention output)."""
+    last = model.config.num_hidden_layers - 1
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    names.append(f"model.layers.{last}.self_attn.o_proj.weight")
+    grads = {name: model.get_parameter(name).grad for name in names}
+    missing = [name for name, grad in grads.items() if grad is None]
+    if missing:
+        raise RuntimeError(f"the training step left no gradient on {', '.join(missing)}")
+    return grads
+
+
+class TrainingStep:
+    """One training step at one length, without an optimizer: gradients set to None, forward with labels (the
+    model computes the loss), ``loss.backward()``; the step's loss and checked gradients are what uncompiled
+    SDPA's must match. The model is called as a tokenizer and a collator feed it, with an ``attention_mask``:
+
+    "train": batch 1, seqlen tokens, the mask all ones (the prefill's shape, for training);
+    "train_padded": batch 2 of seqlen, the second row right-padded after PADDED_ROW_FRACTION of seqlen
+    (pad token 0, mask 0 and labels IGNORED_LABEL on the padding). The tokens are fixed per length.
+    No KV cache (``use_cache=False``): a training step has no use for one.
+    """
+
+    training = True
+
+    def __init__(self, phase: str, shape: dict, dtype, device, seqlen: int):
+        self.phase, self.seqlen, self.max_len = phase, seqlen, seqlen
+        batch = 2 if phase == "train_padded" else 1
+        ids = torch.randint(0, shape["vocab_size"], (batch, seqlen), generator=torch.Generator().manual_seed(1))
+        attention_mask = torch.ones_like(ids)
+        if phase == "train_padded":
+            attention_mask[1, int(seqlen * PADDED_ROW_FRACTION):] = 0
+        padding = attention_mask == 0
+        self.kwargs = {"input_ids": ids.masked_fill(padding, 0).to(device), "attention_mask": attention_mask.to(device),
+                       "labels": ids.masked_fill(padding, IGNORED_LABEL).to(device), "use_cache": False}
+        reference_model = build_model(shape, "sdpa", dtype, device, self.max_len).train()
+        self.loss = self(reference_model)
+        self.gradients = checked_gradients(reference_model)
+
+    def __call__(self, forward) -> torch.Tensor:
+        forward.zero_grad(set_to_none=True)  # a compiled model's parameters are its module's
+        loss = forward(**self.kwargs).loss
+        loss.backward()
+        return loss.detach()
+
+    def check(self, result: Result, loss: torch.Tensor, model) -> None:
+        result.loss_diff = (loss.float() - self.loss.float()).abs().item()
+        relative = []
+        for name, grad in checked_gradients(model).items():
+            reference = self.gradients[name].float()
+            relative.append(((grad.float() - reference).abs().max() / reference.abs().max()).item())
+        result.grad_rel_diff = max(relative)
+
 
 def _record_counters(result: Result) -> None:
-    """Every fa2_inductor counter of the variant's run, and how many op calls fell back to the reference."""
+    """Every fa2_inductor counter of the variant's run, and how many op calls fell back (to the reference;
+    in the backward, away from our kernel)."""
     result.counters = dict(counters["fa2_inductor"])
     result.reference_fallbacks = sum(n for key, n in result.counters.items() if key.startswith("reference_fallback:"))
+    result.backward_fallbacks = sum(n for key, n in result.counters.items() if key.startswith("backward_fallback:"))
+
+
+def _release_memory(device: torch.device) -> None:
+    """Gives a finished variant's model, gradients and compiled graphs back before the next one is built
+    (eager attention's training step at 8k tokens needs tens of GB of its own)."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _error_line(exc: Exception) -> str:
@@ -174,46 +260,65 @@ class Generation:
         return output[:, self.seqlen:]
 
 
-def run_generation(variant: Variant, workload: Generation, shape: dict, dtype, device, args) -> Result:
+def _measure_generation(variant: Variant, workload: Generation, result: Result, shape: dict, dtype, device, args):
+    model = build_model(shape, variant.attn_implementation, dtype, device, workload.seqlen + GENERATED_TOKENS)
+    with torch.no_grad():
+        tokens = workload.tokens(model, variant.backend, GENERATED_TOKENS)  # compiles the decode step
+        result.rewrites = counters["fa2_inductor"]["rewrites"]
+        result.tokens_differing = int((tokens != workload.reference).sum())
+        ms = {}
+        for count in (GENERATED_TOKENS, 1):
+            call = lambda: workload.tokens(model, variant.backend, count)  # noqa: E731
+            ms[count] = statistics.median(time_calls(call, [()], device, warmup=args.warmup, reps=args.reps))
+    result.median_ms = (ms[GENERATED_TOKENS] - ms[1]) / (GENERATED_TOKENS - 1)
+
+
+def _measure_variant(variant: Variant, workload, result: Result, shape: dict, dtype, device, args):
+    model = build_model(shape, variant.attn_implementation, dtype, device, workload.max_len).train(workload.training)
+    forward = model if variant.backend is None else torch.compile(model, backend=variant.backend, dynamic=False)
+    with torch.set_grad_enabled(workload.training):
+        output = workload(forward)  # compiles, and gives the output to check
+        result.rewrites = counters["fa2_inductor"]["rewrites"]
+        workload.check(result, output, model)
+        del output
+        keep_busy(lambda: workload(forward), device)  # after the compile: GPU clocks back up
+        times = time_calls(lambda: workload(forward), [()], device, warmup=args.warmup, reps=args.reps)
+    result.median_ms = statistics.median(times)
+
+
+def run(variant: Variant, workload, shape: dict, dtype, device, args) -> Result:
+    """One variant on one phase and length; its model and compiled graphs are gone when this returns."""
     result = Result(workload.phase, variant.name, workload.seqlen)
+    measure = _measure_generation if isinstance(workload, Generation) else _measure_variant
     torch._dynamo.reset()
     counters.clear()
     try:
-        model = build_model(shape, variant.attn_implementation, dtype, device, workload.seqlen + GENERATED_TOKENS)
-        with torch.no_grad():
-            tokens = workload.tokens(model, variant.backend, GENERATED_TOKENS)  # compiles the decode step
-            result.rewrites = counters["fa2_inductor"]["rewrites"]
-            result.tokens_differing = int((tokens != workload.reference).sum())
-            ms = {}
-            for count in (GENERATED_TOKENS, 1):
-                call = lambda: workload.tokens(model, variant.backend, count)  # noqa: E731
-                ms[count] = statistics.median(time_calls(call, [()], device, warmup=args.warmup, reps=args.reps))
-        result.median_ms = (ms[GENERATED_TOKENS] - ms[1]) / (GENERATED_TOKENS - 1)
-        _record_counters(result)
-    except Exception as exc:  # one failing variant must not lose the others
-        result.error = _error_line(exc)
-    return result
-
-
-def run_variant(variant: Variant, workload: Workload, shape: dict, dtype, device, args) -> Result:
-    result = Result(workload.phase, variant.name, workload.seqlen)
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        model = build_model(shape, variant.attn_implementation, dtype, device, workload.seqlen + 1)
-        forward = model if variant.backend is None else torch.compile(model, backend=variant.backend, dynamic=False)
-        with torch.no_grad():
-            logits = workload(forward)  # compiles, and gives the output to check
-            result.rewrites = counters["fa2_inductor"]["rewrites"]
-            result.max_abs_diff = (logits.float() - workload.reference.float()).abs().max().item()
-            del logits
-            keep_busy(lambda: workload(forward), device)  # after the compile: GPU clocks back up
-            times = time_calls(lambda: workload(forward), [()], device, warmup=args.warmup, reps=args.reps)
-        result.median_ms = statistics.median(times)
+        measure(variant, workload, result, shape, dtype, device, args)
         _record_counters(result)
     except Exception as exc:  # one failing variant (e.g. out of memory) must not lose the others
         result.error = _error_line(exc)
+    _release_memory(device)
     return result
+
+
+def _phase_title(phase: str, seqlen: int) -> str:
+    if phase == "train":
+        return f"one training step (forward, loss, backward), {seqlen} tokens"
+    if phase == "train_padded":
+        return (f"one training step, batch 2 of {seqlen} tokens, the second row padded after "
+                f"{int(seqlen * PADDED_ROW_FRACTION)}")
+    return {"prefill": f"{seqlen} tokens", "generate": f"ms per new token after a prompt of {seqlen}"}.get(
+        phase, f"1 token after {seqlen}")
+
+
+def _checked_columns(phase: str) -> dict:
+    """The table's columns after the rewrites for a phase: header -> Result field."""
+    if phase == "generate":
+        return {"tokens ≠": "tokens_differing", "fallbacks": "reference_fallbacks"}
+    if phase in TRAINING_PHASES:
+        return {"|Δloss|": "loss_diff", "max rel Δgrad": "grad_rel_diff", "fallbacks": "reference_fallbacks",
+                "bwd fallbacks": "backward_fallbacks"}
+    return {"max|Δlogits|": "max_abs_diff", "fallbacks": "reference_fallbacks"}
 
 
 def format_table(results: list[Result]) -> str:
@@ -221,18 +326,18 @@ def format_table(results: list[Result]) -> str:
     for phase, seqlen in dict.fromkeys((r.phase, r.seqlen) for r in results):
         rows = [r for r in results if (r.phase, r.seqlen) == (phase, seqlen)]
         base = next((r.median_ms for r in rows if r.variant == BASELINE and r.median_ms), None)
-        title = {"prefill": f"{seqlen} tokens", "generate": f"ms per new token after a prompt of {seqlen}"}.get(
-            phase, f"1 token after {seqlen}")
-        check = "tokens ≠" if phase == "generate" else "max|Δlogits|"
-        lines.append(f"\n{phase}: {title}")
-        lines.append(f"{'variant':<28}{'ms':>10}{'vs ' + BASELINE:>22}{'rewrites':>10}{check:>14}{'fallbacks':>11}")
+        columns = _checked_columns(phase)
+        lines.append(f"\n{phase}: {_phase_title(phase, seqlen)}")
+        lines.append(f"{'variant':<28}{'ms':>10}{'vs ' + BASELINE:>22}{'rewrites':>10}"
+                     + "".join(f"{header:>15}" for header in columns))
         for r in rows:
             if r.error:
                 lines.append(f"{r.variant:<28}{'failed: ' + r.error}")
                 continue
             ratio = f"{base / r.median_ms:.2f}x" if base else "-"
-            checked = f"{r.tokens_differing:>14}" if r.tokens_differing is not None else f"{r.max_abs_diff:>14.3g}"
-            lines.append(f"{r.variant:<28}{r.median_ms:>10.2f}{ratio:>22}{r.rewrites:>10}{checked}{r.reference_fallbacks:>11}")
+            values = [getattr(r, name) for name in columns.values()]
+            checked = "".join(f"{v:>15.3g}" if isinstance(v, float) else f"{v:>15}" for v in values)
+            lines.append(f"{r.variant:<28}{r.median_ms:>10.2f}{ratio:>22}{r.rewrites:>10}{checked}")
     return "\n".join(lines)
 
 
@@ -241,8 +346,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seqlens", type=int, nargs="+", help="default: 2048 8192 (16 32 with --tiny)")
     parser.add_argument("--variants", nargs="+", choices=[v.name for v in VARIANTS], default=[v.name for v in VARIANTS])
     parser.add_argument(
-        "--phases", nargs="+", choices=PHASES, default=list(PHASES),
-        help="decode: static KV cache; decode_dynamic: DynamicCache; generate: generate() with a static cache"
+        "--phases", nargs="+", choices=PHASES, default=list(INFERENCE_PHASES),
+        help="default: the inference phases. decode: static KV cache; decode_dynamic: DynamicCache; generate: "
+             "generate() with a static cache; train: one training step (forward, loss, backward), batch 1 with an "
+             "attention_mask of ones; train_padded: the same, batch 2, the second row right-padded to 3/4"
     )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
@@ -270,19 +377,22 @@ def main(argv=None) -> list:
     for phase in args.phases:
         for seqlen in seqlens:
             if phase == "generate":
-                workload, run = Generation(shape, dtype, device, seqlen), run_generation
+                workload = Generation(shape, dtype, device, seqlen)
+            elif phase in TRAINING_PHASES:
+                workload = TrainingStep(phase, shape, dtype, device, seqlen)
             else:
-                workload, run = Workload(phase, shape, dtype, device, seqlen), run_variant
+                workload = Workload(phase, shape, dtype, device, seqlen)
+            _release_memory(device)  # the reference model
             for variant in variants:
                 results.append(run(variant, workload, shape, dtype, device, args))
                 r = results[-1]
                 status = r.error or f"{r.median_ms:.3f} ms {r.counters or ''}"
-                print(f"{phase:<8}{seqlen:>6} {variant.name:<28} {status}", flush=True)
+                print(f"{phase:<12}{seqlen:>6} {variant.name:<28} {status}", flush=True)
             del workload
     print(format_table(results))
     document = {
         "environment": environment(device),
-        "model": {**shape, "dtype": str(dtype), "batch": 1},
+        "model": {**shape, "dtype": str(dtype), "batch": 1},  # train_padded: 2
         "settings": {"phases": args.phases, "seqlens": seqlens, "warmup": args.warmup, "reps": args.reps, "tiny": args.tiny},
         "results": [asdict(r) for r in results],
     }

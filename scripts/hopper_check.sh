@@ -24,6 +24,8 @@
 #   score-mods  python -m fa2_inductor.bench --score-mods --json score_mods.json (soft-capping and sinks)
 #   decode      python -m fa2_inductor.bench --decode --json decode.json (decode steps vs every SDPA backend)
 #   e2e         python -m fa2_inductor.bench_e2e --json e2e.json (E2E_ARGS adds options, quotes allowed)
+#   e2e-train   python -m fa2_inductor.bench_e2e --phases train train_padded --json e2e_train.json (a training
+#               step of the same model, with and without padding; E2E_ARGS applies too)
 #   zoo         python -m fa2_inductor.bench_e2e --zoo --json zoo.json (real model shapes with attention_mask)
 #   suite       the README's test command, python -m pytest -q tests, with the same per-test cut -> suite.log
 #   demo        python -m fa2_inductor.demo -> demo.log
@@ -45,7 +47,7 @@ RESULTS=$(cd "${1:-./hopper_results}" && pwd)
 cd "$ROOT"
 PY=${PYTHON:-$(command -v python || command -v python3)}
 [[ -n $PY ]] || { echo "no python on PATH (set PYTHON)"; exit 2; }
-STAGES=${STAGES:-env,build,gpu-tests,sanitize,bench,mask-bench,train-bench,masked-train,overhead,score-mods,decode,e2e,zoo,suite,report}
+STAGES=${STAGES:-env,build,gpu-tests,sanitize,bench,mask-bench,train-bench,masked-train,overhead,score-mods,decode,e2e,e2e-train,zoo,suite,report}
 BUDGET_S=${BUDGET_S:-3600}
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-300}
 START=$(date +%s)
@@ -225,11 +227,12 @@ stage_zoo() {
   return $rc
 }
 
-stage_e2e() {
+# python -m fa2_inductor.bench_e2e into NAME.json and NAME.log, E2E_ARGS after the options: stage_e2e_run NAME OPTION...
+stage_e2e_run() {
   local -a extra; eval "extra=(${E2E_ARGS:-})"
-  limited "$PY" -m fa2_inductor.bench_e2e --json "$RESULTS/e2e.json" "${extra[@]}" > "$RESULTS/e2e.log" 2>&1
+  limited "$PY" -m fa2_inductor.bench_e2e "${@:2}" --json "$RESULTS/$1.json" "${extra[@]}" > "$RESULTS/$1.log" 2>&1
   local rc=$?
-  RESULT=$("$PY" - "$RESULTS/e2e.json" 2>/dev/null <<'PY'
+  RESULT=$("$PY" - "$RESULTS/$1.json" 2>/dev/null <<'PY'
 import json, sys
 results = json.load(open(sys.argv[1]))["results"]
 failed = [r for r in results if r["error"]]
@@ -237,9 +240,11 @@ first = f"; first failure: {failed[0]['variant']}: {failed[0]['error'][:100]}" i
 print(f"{len(results) - len(failed)} of {len(results)} variant runs timed{first}")
 PY
 )
-  [[ -n $RESULT ]] || RESULT=$(last_line "$RESULTS/e2e.log")
+  [[ -n $RESULT ]] || RESULT=$(last_line "$RESULTS/$1.log")
   return $rc
 }
+stage_e2e() { stage_e2e_run e2e; }
+stage_e2e_train() { stage_e2e_run e2e_train --phases train train_padded; }
 
 stage_demo() {
   limited "$PY" -m fa2_inductor.demo > "$RESULTS/demo.log" 2>&1
@@ -267,7 +272,7 @@ PY
 stage_report() {
   write_summary_json
   local files=()
-  for f in summary.json bench.json mask_bench.json backward.json masked_backward.json overhead.json score_mods.json decode.json e2e.json zoo.json; do [[ -f $RESULTS/$f ]] && files+=("$RESULTS/$f"); done
+  for f in summary.json bench.json mask_bench.json backward.json masked_backward.json overhead.json score_mods.json decode.json e2e.json e2e_train.json zoo.json; do [[ -f $RESULTS/$f ]] && files+=("$RESULTS/$f"); done
   limited "$PY" -m fa2_inductor.bench.results "${files[@]}" -o "$RESULTS/results.md" > "$RESULTS/report.log" 2>&1
   local rc=$?
   RESULT="results.md from ${#files[@]} JSON files"
@@ -290,6 +295,7 @@ run_stage overhead 120 stage_overhead
 run_stage score-mods 300 stage_score_mods
 run_stage decode 300 stage_decode
 run_stage e2e 900 stage_e2e
+run_stage e2e-train 1200 stage_e2e_train
 run_stage zoo 1200 stage_zoo
 run_stage suite 2400 stage_suite
 run_stage demo 300 stage_demo

@@ -23,7 +23,7 @@ def test_tiny_run_checks_times_and_writes_every_variant(tmp_path, monkeypatch):
         argv = ["--tiny", "--seqlens", "16", "--warmup", "0", "--reps", "1", "--json", str(out), "--variants", *names]
         results = bench_e2e.main(argv)
 
-    assert [(r.phase, r.variant) for r in results] == [(p, n) for p in bench_e2e.PHASES for n in names]
+    assert [(r.phase, r.variant) for r in results] == [(p, n) for p in bench_e2e.INFERENCE_PHASES for n in names]
     for r in results:
         assert r.error is None, f"{r.phase} {r.variant}: {r.error}"
         if r.phase == "generate":  # a time per new token; float32 greedy tokens as uncompiled SDPA's
@@ -41,3 +41,34 @@ def test_tiny_run_checks_times_and_writes_every_variant(tmp_path, monkeypatch):
     assert generate_rewrites == {"fa2_inductor (eager attn)": layers, "fa2_inductor (sdpa attn)": layers}
     document = json.loads(out.read_text())
     assert len(document["results"]) == len(results) and document["model"]["num_hidden_layers"] == layers
+
+
+def test_tiny_training_steps_check_loss_and_gradients(tmp_path, monkeypatch):
+    out = tmp_path / "e2e_train.json"
+    monkeypatch.setattr(fa2_inductor.config, "rewrite_on_cpu", fa2_inductor.config.rewrite_on_cpu)
+    with torch._inductor.config.patch(force_disable_caches=True, **{"cpp.vec_isa_ok": False}):
+        # One compiled variant (each training compile costs ~10 s of CPU): the hand-written attention, whose
+        # additive mask the pass must read in a joint graph; Llama's SDPA training is tests/test_hf_models.py's.
+        names = ["sdpa", "fa2_inductor (eager attn)", "fa2_inductor interface"]
+        argv = ["--tiny", "--phases", "train", "train_padded", "--seqlens", "16", "--warmup", "0", "--reps", "1",
+                "--json", str(out), "--variants", *names]
+        results = bench_e2e.main(argv)
+
+    assert [(r.phase, r.variant) for r in results] == [(p, n) for p in bench_e2e.TRAINING_PHASES for n in names]
+    for r in results:  # float32: the loss and the gradients as uncompiled SDPA's, up to rounding
+        assert r.error is None, f"{r.phase} {r.variant}: {r.error}"
+        assert r.median_ms > 0 and r.loss_diff < 1e-5 and r.grad_rel_diff < 1e-5, r
+        assert r.max_abs_diff is None and r.reference_fallbacks == r.backward_fallbacks == 0, r
+    layers = bench_e2e.TINY_SHAPE["num_hidden_layers"]
+    # Both steps pass an attention_mask (all ones in "train"): under torch.compile transformers builds the mask
+    # tensor, which the pass takes as causal + a key mask read at run time. Every site is rewritten in the
+    # training graph: on CPU the op's backward is its reference by request (rewrite_on_cpu), so no backward rule
+    # refuses; on CUDA a site whose backward would not run a fast kernel is refused (backward_unsupported).
+    for r in results:
+        if r.variant == "fa2_inductor (eager attn)":
+            assert r.counters == {"rewrites": layers, "rewrites:is_causal+key_mask": layers}, r
+        else:
+            assert r.rewrites == 0, r
+    document = json.loads(out.read_text())
+    assert {r["phase"] for r in document["results"]} == set(bench_e2e.TRAINING_PHASES)
+    assert all("grad_rel_diff" in r and "backward_fallbacks" in r for r in document["results"])

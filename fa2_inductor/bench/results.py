@@ -134,8 +134,10 @@ def _rewrite_forms(counters: dict) -> str:
 
 def _end_to_end(doc: dict, source: str) -> list[str]:
     model, results = doc["model"], doc["results"]
+    padded_batch = " (train_padded: 2)" if any(r["phase"] == "train_padded" for r in results) else ""
     shape = (f"hidden {model['hidden_size']}, {model['num_attention_heads']}/{model['num_key_value_heads']} heads, "
-             f"{model['num_hidden_layers']} layers, {model['dtype'].removeprefix('torch.')}, batch {model['batch']}")
+             f"{model['num_hidden_layers']} layers, {model['dtype'].removeprefix('torch.')}, batch {model['batch']}"
+             f"{padded_batch}")
     lines = ["## End to end (`python -m fa2_inductor.bench_e2e`)", "", measured_on(doc["environment"], source), "",
              f"A Llama-shaped model ({shape}); median ms of {doc['settings']['reps']} calls, each variant checked "
              f"against the uncompiled SDPA model first. ×: {E2E_BASELINE}'s time over the variant's (above 1: faster).",
@@ -162,7 +164,9 @@ def _end_to_end(doc: dict, source: str) -> list[str]:
                 forms = _rewrite_forms(r.get("counters") or {}) if forms == "-" else forms
             rows.append(row + [forms])
         title = {"prefill": "prefill (the whole sequence)",
-                 "generate": "generate (ms per new token, 32 greedy tokens after the prompt, static cache)"}.get(
+                 "generate": "generate (ms per new token, 32 greedy tokens after the prompt, static cache)",
+                 "train": "train (one training step: forward with labels, loss, backward; attention_mask of ones)",
+                 "train_padded": "train_padded (one training step, batch 2, the second row right-padded to 3/4)"}.get(
             phase, f"{phase} (one token after the cache)")
         lines += [f"### {title}", ""] + _table(header, rows) + [""]
     return lines[:-1]
