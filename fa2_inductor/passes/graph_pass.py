@@ -18,6 +18,7 @@ from ..reference import EmptyRows
 from . import report
 from .fx_utils import forward_users, is_backward_node
 from .inductor_guards import shield_attention_chains
+from .concat_keys import match_concatenated_keys
 from .match_sdpa import is_sdpa, match_sdpa
 from .match_softmax import match_softmax_attention, softmax_at
 from . import mask_structure
@@ -36,7 +37,9 @@ def match_site(node: fx.Node) -> Optional[AttentionSite]:
     if is_sdpa(node):
         return match_sdpa(node)
     softmax = softmax_at(node)
-    return match_softmax_attention(softmax) if softmax is not None else None
+    if softmax is None:
+        return None
+    return match_concatenated_keys(softmax) or match_softmax_attention(softmax)
 
 
 def _sequence_lengths(site: AttentionSite) -> tuple:
