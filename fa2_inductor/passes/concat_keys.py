@@ -30,17 +30,18 @@ import torch
 import torch.fx as fx
 
 from . import op_table as ops
-from .fx_utils import aten, forward_users, insert_call, is_joint_graph, same_shape, same_size, tensor_val
+from .fx_utils import aten, forward_users, insert_call, is_joint_graph, is_op, same_shape, same_size, tensor_val
 from .match_softmax import Softmax, match_softmax_attention, softmax_at
 from .refusals import Refusal, Refused
 from .site import AttentionSite
+from .views import is_batched_product
 
 _SCORE_STEPS = 32  # nodes looked at above the softmax for the concatenation (scale, masks, casts between)
 
 
 @dataclass
 class _Product:
-    """A bmm ``[Bt, M, J] = [Bt, M, F] @ [Bt, F, J]`` read by row: flattened row r of its output is row r of
+    """A bmm ``[Bt, M, J] = [Bt, M, F] @ [Bt, F, J]`` (or its outer-product form, F = 1) read by row: flattened row r of its output is row r of
     its left operand, paired with the right operand of batch r // M."""
 
     bmm: fx.Node
@@ -54,28 +55,28 @@ class _Product:
 def match_concatenated_keys(softmax: Softmax) -> Optional[AttentionSite]:
     """The site of a softmax over concatenated scores whose probabilities are split into key ranges (possibly
     refused, with the reason); None where the probabilities are not split so (the softmax matcher's case)."""
-    slices = _probability_slices(softmax)
-    cat = _concatenated_scores(softmax.input) if slices else None
+    split = _split_probabilities(softmax)
+    cat = _concatenated_scores(softmax.input) if split else None
     if cat is None:
         return None
-    reading = _read(softmax, cat, slices)
+    reading = _read(softmax, cat, *split)
     if isinstance(reading, Refused):
         return AttentionSite("matmul_softmax", softmax.output, notes=["keys concatenated in the scores"]).refuse_as(reading)
     return _rebuilt_site(softmax, cat, reading)
 
 
-def _probability_slices(softmax: Softmax) -> Optional[list]:
-    """The probabilities' users (past copies: eval-mode dropout leaves a clone) when they are two or more
-    slices (step 1) of one dim; else None."""
+def _split_probabilities(softmax: Softmax) -> Optional[tuple[fx.Node, list]]:
+    """(probabilities, slices): the probabilities past casts and copies (a bf16 softmax computed in float32
+    and cast back; eval-mode dropout's clone), when two or more slices (step 1) of one dim read them; else None."""
     probs = softmax.output
-    while len(forward_users(probs)) == 1 and ops.calls(forward_users(probs)[0], *ops.IDENTITY):
-        probs = forward_users(probs)[0]
-    users = forward_users(probs)
+    while len(_readers(probs)) == 1 and ops.calls(_readers(probs)[0], *ops.IDENTITY, *ops.CAST):
+        probs = _readers(probs)[0]
+    users = _readers(probs)
     if len(users) < 2 or not all(user.target is aten.slice.Tensor for user in users):
         return None
     if len({_slice_args(user)[0] for user in users}) != 1 or any(_slice_args(user)[3] != 1 for user in users):
         return None
-    return users
+    return probs, users
 
 
 def _slice_args(node: fx.Node) -> tuple:
@@ -110,9 +111,14 @@ def _concatenated_scores(x: fx.Node) -> Optional[fx.Node]:
             if len(parts) >= 2 and all(_product_above(part) is not None for part in parts):
                 found.append(node)
             continue
-        if not ops.calls(node, *ops.BMM, *ops.BADDBMM):
+        if not is_batched_product(node, with_bias=True):
             frontier.extend(node.all_input_nodes)
     return found[0] if len(found) == 1 else None
+
+
+def _readers(node: fx.Node) -> list:
+    """The forward users that read ``node``'s values (a dynamic shape's ``sym_size`` reads only its size)."""
+    return [user for user in forward_users(node) if not is_op(user, aten.sym_size)]
 
 
 def _static(*nodes: fx.Node) -> bool:
@@ -143,9 +149,9 @@ def _product_above(node: fx.Node) -> Optional[_Product]:
     """The bmm that ``node`` shows in the same order and with the same last dim, through views read by
     nothing else (the scores' part of the site)."""
     end = node
-    while not ops.calls(node, *ops.BMM):
+    while not is_batched_product(node):
         source = _order_source(node)
-        if source is None or len(forward_users(source)) != 1:
+        if source is None or len(_readers(source)) != 1:
             return None
         node = source
     return _Product(node, end) if same_size(tensor_val(end).shape[-1], tensor_val(node).shape[-1]) else None
@@ -156,11 +162,11 @@ def _product_below(node: fx.Node) -> Optional[_Product]:
     read by nothing else), with its output as far as such views go (showing it with its last dim)."""
     start = node
     while True:
-        users = forward_users(node)
+        users = _readers(node)
         if len(users) != 1:
             return None
         user = users[0]
-        if ops.calls(user, *ops.BMM) and user.args[0] is node and user.args[1] is not node:
+        if is_batched_product(user) and user.args[0] is node and user.args[1] is not node:
             break
         if _order_source(user) is not node:
             return None
@@ -168,8 +174,8 @@ def _product_below(node: fx.Node) -> Optional[_Product]:
     bmm = end = user
     if not same_size(tensor_val(node).shape[-1], tensor_val(start).shape[-1]):
         return None
-    while len(forward_users(end)) == 1 and _order_source(forward_users(end)[0]) is end:
-        end = forward_users(end)[0]
+    while len(_readers(end)) == 1 and _order_source(_readers(end)[0]) is end:
+        end = _readers(end)[0]
     return _Product(bmm, end) if same_size(tensor_val(end).shape[-1], tensor_val(bmm).shape[-1]) else None
 
 
@@ -178,13 +184,14 @@ class _Reading:
     """What the rebuilt site is made of: the key parts in the scores' column order, the value parts in the
     probabilities' column order, and the sum of the P @ V products the site's output takes the place of."""
 
-    steps: list  # the nodes from the concatenation to the softmax output, in graph order
+    steps: list  # the nodes from the concatenation to the probabilities the slices read, in graph order
+    probs: fx.Node
     keys: list  # _Product per part of the concatenation
     values: list  # _Product per key range of the probabilities
     total: fx.Node
 
 
-def _read(softmax: Softmax, cat: fx.Node, slices: list) -> Union[_Reading, Refused]:
+def _read(softmax: Softmax, cat: fx.Node, probs: fx.Node, slices: list) -> Union[_Reading, Refused]:
     """The _Reading, or the refusal of the first check that fails."""
     if is_joint_graph(cat.graph):
         return Refused(Refusal.TRAINING_GRADIENT_UNMAPPED, "keys concatenated in the scores: their gradients would be "
@@ -203,12 +210,12 @@ def _read(softmax: Softmax, cat: fx.Node, slices: list) -> Union[_Reading, Refus
         return Refused(Refusal.UNRECOGNISED_LAYOUT, "concatenated scores with symbolic sizes")
     if len(shape) < 3:
         return Refused(Refusal.UNRECOGNISED_LAYOUT, "concatenated scores without a batch dim")
-    steps = _steps_between(cat, softmax.output)
+    steps = _steps_between(cat, probs)
     inside = {cat, *steps}
-    if any(user not in inside for node in (*cat.args[0], *inside - {softmax.output}) for user in forward_users(node)):
+    if any(user not in inside for node in (*cat.args[0], *inside - {probs}) for user in _readers(node)):
         return Refused(Refusal.INTERMEDIATE_USED_ELSEWHERE, "the concatenated scores, a part of them, or a step to the "
                        "softmax are read elsewhere")
-    if not same_shape(tensor_val(softmax.output).shape, shape):
+    if not same_shape(tensor_val(probs).shape, shape):
         return Refused(Refusal.OUTPUT_SHAPE, "a mask broadcasts the concatenated scores to another shape")
     rows = shape[-2]
     refused = _rows_refusal(keys, rows, tensor_val(cat).dtype) or _same_queries_refusal(keys)
@@ -224,7 +231,7 @@ def _read(softmax: Softmax, cat: fx.Node, slices: list) -> Union[_Reading, Refus
         return Refused(Refusal.PROBS_USED_ELSEWHERE, "a key range of the probabilities reaches no P @ V product of its own")
     if not _static(*[p.bmm for p in values], *[p.bmm.args[1] for p in values]):
         return Refused(Refusal.UNRECOGNISED_LAYOUT, "P @ V products with symbolic sizes")
-    refused = _rows_refusal(values, rows, tensor_val(softmax.output).dtype)
+    refused = _rows_refusal(values, rows, tensor_val(probs).dtype)
     if refused:
         return refused
     total = _sum_of([value.end for value in values])
@@ -232,7 +239,7 @@ def _read(softmax: Softmax, cat: fx.Node, slices: list) -> Union[_Reading, Refus
         return Refused(Refusal.PROBS_USED_ELSEWHERE, "the key ranges' P @ V products are not summed, alone")
     if not same_shape(tensor_val(total).shape, [*shape[:-1], tensor_val(values[0].bmm).shape[-1]]):
         return Refused(Refusal.UNRECOGNISED_LAYOUT, "the summed P @ V products in another shape than the scores' rows")
-    return _Reading(steps, keys, values, total)
+    return _Reading(steps, probs, keys, values, total)
 
 
 def _steps_between(cat: fx.Node, output: fx.Node) -> list:
@@ -276,13 +283,13 @@ def _same_queries_refusal(keys: list) -> Optional[Refused]:
 def _sum_of(terms: list) -> Optional[fx.Node]:
     """The node that sums exactly ``terms``, each once, by adds that nothing else reads; else None."""
     total = terms[0]
-    while len(forward_users(total)) == 1 and _is_plain_add(forward_users(total)[0]):
-        total = forward_users(total)[0]
+    while len(_readers(total)) == 1 and _is_plain_add(_readers(total)[0]):
+        total = _readers(total)[0]
     if total is terms[0]:
         return None
 
     def leaves(node: fx.Node) -> list:
-        inner = node is total or len(forward_users(node)) == 1
+        inner = node is total or len(_readers(node)) == 1
         if node in terms or not (inner and _is_plain_add(node)):
             return [node]
         return leaves(node.args[0]) + leaves(node.args[1])
@@ -317,11 +324,10 @@ def _rebuilt_site(softmax: Softmax, cat: fx.Node, reading: _Reading) -> Attentio
         copies = {cat: scores}
         for step in reading.steps:
             copies[step] = graph.node_copy(step, lambda arg: copies.get(arg, arg))
-        probs = copies[softmax.output]
         value_parts = [_per_row_group(graph, v.bmm.args[1], v.rows, rows, leading) for v in reading.values]
         v = insert_call(graph, aten.cat.default, (value_parts, -2))
-        out = _product(graph, probs, v, leading, groups)
-    site = match_softmax_attention(softmax_at(probs))
+        out = _product(graph, copies[reading.probs], v, leading, groups)
+    site = match_softmax_attention(softmax_at(copies[softmax.output]))
     if site is None or site.refusal is None and site.anchor is not out:
         return AttentionSite("matmul_softmax", softmax.output).refuse(
             Refusal.UNRECOGNISED_SCORES, "the rebuilt attention over the concatenated keys is not read back")
