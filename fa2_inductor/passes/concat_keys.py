@@ -41,8 +41,8 @@ _SCORE_STEPS = 32  # nodes looked at above the softmax for the concatenation (sc
 
 @dataclass
 class _Product:
-    """A bmm ``[Bt, M, J] = [Bt, M, F] @ [Bt, F, J]`` (or its outer-product form, F = 1) read by row: flattened row r of its output is row r of
-    its left operand, paired with the right operand of batch r // M."""
+    """A bmm ``[Bt, M, J] = [Bt, M, F] @ [Bt, F, J]`` (or its outer-product form, F = 1) read by row: row r of
+    its flattened output is row r of its left operand's, paired with the right operand of batch r // M."""
 
     bmm: fx.Node
     end: fx.Node  # the bmm's output as the graph uses it: a view of it that keeps its order
@@ -196,10 +196,10 @@ def _read(softmax: Softmax, cat: fx.Node, probs: fx.Node, slices: list) -> Union
     if is_joint_graph(cat.graph):
         return Refused(Refusal.TRAINING_GRADIENT_UNMAPPED, "keys concatenated in the scores: their gradients would be "
                        "slices of the op's dk and dv, summed over the row groups sharing them")
+    if softmax.dim != tensor_val(softmax.input).dim() - 1:
+        return Refused(Refusal.SOFTMAX_NOT_LAST_DIM)
     shape = tensor_val(cat).shape
     last = len(shape) - 1
-    if softmax.dim != last:
-        return Refused(Refusal.SOFTMAX_NOT_LAST_DIM)
     if _cat_dim(cat) != last:
         return Refused(Refusal.UNRECOGNISED_SCORES, "products concatenated along another dim than the keys")
     if _slice_args(slices[0])[0] != last:
@@ -221,6 +221,8 @@ def _read(softmax: Softmax, cat: fx.Node, probs: fx.Node, slices: list) -> Union
     refused = _rows_refusal(keys, rows, tensor_val(cat).dtype) or _same_queries_refusal(keys)
     if refused:
         return refused
+    if not all(isinstance(i, int) for s in slices for i in _slice_args(s)[1:3]):
+        return Refused(Refusal.UNRECOGNISED_LAYOUT, "the probabilities split at symbolic positions")
     slices = sorted(slices, key=lambda s: _slice_args(s)[1])
     ranges = [_slice_args(s)[1:3] for s in slices]
     if ranges[0][0] != 0 or ranges[-1][1] != shape[-1] or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])) \
