@@ -222,8 +222,14 @@ def test_training_is_refused(cpu_pass):
 
 
 def test_a_refused_site_leaves_the_graph_as_it_was(cpu_pass, monkeypatch):
-    """Without rewrite_on_cpu the rebuilt site is refused on CPU: its nodes are dropped, the four products stay."""
+    """Without rewrite_on_cpu the rebuilt site is refused on CPU: it is dropped, and the code is plain Inductor's."""
     monkeypatch.setattr(config, "rewrite_on_cpu", False)
-    code = compile_and_compare(_block_local(), *_inputs(), rewrites=0)
+    inputs = _inputs()
+    code = {}
+    for backend in ("inductor", "fa2_inductor"):  # counters then hold the fa2_inductor run's
+        code[backend] = compile_and_compare(_block_local(), *inputs, rewrites=0, backend=backend)
     assert pass_counts() == {"refused:cpu_device": 1}
-    assert len(re.findall(r"extern_kernels\.bmm\(", code)) == 4
+    lines = {backend: [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+             for backend, text in code.items()}
+    assert lines["fa2_inductor"] == lines["inductor"]
+    assert len(re.findall(r"extern_kernels\.bmm\(", code["fa2_inductor"])) == 4

@@ -12,7 +12,7 @@ global keys are one ``[B*H, N*K, G]`` product shared by the N blocks, the block-
 The site is rebuilt in the form the softmax matcher reads: a q @ cat(k)ᵀ product in the scores' place, a
 copy of the steps from the scores to the softmax (scale, masks, casts: judged there as for any site), and
 P @ cat(v) in place of the sum. Only when that site is rewritten does its output take over the sum's users
-(``AttentionSite.replaces``); a refused one leaves the rebuilt nodes dead and the graph as it was.
+(``AttentionSite.replaces``); a refused one is erased, leaving the graph as it was.
 
 Exactness rests on views that keep the row-major order of the values (so the flattened tensors are
 equal): every operand and output is followed only through such views, and all q operands must be read
@@ -30,7 +30,8 @@ import torch
 import torch.fx as fx
 
 from . import op_table as ops
-from .fx_utils import aten, forward_users, insert_call, is_joint_graph, is_op, same_shape, same_size, tensor_val
+from .fx_utils import (aten, erase_unused, forward_users, insert_call, is_joint_graph, is_op, same_shape, same_size,
+                       tensor_val)
 from .match_softmax import Softmax, match_softmax_attention, softmax_at
 from .refusals import Refusal, Refused
 from .site import AttentionSite
@@ -330,11 +331,14 @@ def _rebuilt_site(softmax: Softmax, cat: fx.Node, reading: _Reading) -> Attentio
         v = insert_call(graph, aten.cat.default, (value_parts, -2))
         out = _product(graph, copies[reading.probs], v, leading, groups)
     site = match_softmax_attention(softmax_at(copies[softmax.output]))
-    if site is None or site.refusal is None and site.anchor is not out:
-        return AttentionSite("matmul_softmax", softmax.output).refuse(
+    if site is None or (site.refusal is None and site.anchor is not out):
+        site = AttentionSite("matmul_softmax", softmax.output).refuse(
             Refusal.UNRECOGNISED_SCORES, "the rebuilt attention over the concatenated keys is not read back")
-    site.replaces = reading.total
     site.notes.insert(0, f"keys concatenated from {len(reading.keys)} products")
+    if site.refusal is None:
+        site.replaces = reading.total
+    else:  # the graph as it was
+        erase_unused(out)
     return site
 
 

@@ -16,7 +16,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from .. import _extension, config
 from ..reference import EmptyRows
 from . import report
-from .fx_utils import forward_users, is_backward_node
+from .fx_utils import erase_unused, forward_users, is_backward_node
 from .inductor_guards import shield_attention_chains
 from .concat_keys import match_concatenated_keys
 from .match_sdpa import is_sdpa, match_sdpa
@@ -116,6 +116,8 @@ class AttentionPass(CustomGraphPass):
             backward = _decide(site)
             if site.refusal is None:
                 rewrite_site(site, backward)
+            elif site.replaces is not None:  # a site rebuilt beside the graph (concat_keys) stays: drop it
+                erase_unused(site.anchor)
             found_site = True
             report.record(site, graph_kind)
         # Rewrites leave the replaced nodes dead, and so may a refused site's matcher.
