@@ -16,9 +16,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from .. import _extension, config
 from ..reference import EmptyRows
 from . import report
+from .concat_keys import match_concatenated_keys
 from .fx_utils import erase_unused, forward_users, is_backward_node
 from .inductor_guards import shield_attention_chains
-from .concat_keys import match_concatenated_keys
 from .match_sdpa import is_sdpa, match_sdpa
 from .match_softmax import match_softmax_attention, softmax_at
 from . import mask_structure
