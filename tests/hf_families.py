@@ -168,6 +168,23 @@ def _bart_config(hidden: int):
     )
 
 
+def _pegasus_x_config(hidden: int):
+    from transformers import PegasusXConfig
+
+    # Blocks of 4 tokens: the 16 encoder tokens make 4 blocks, the staggered layer's (padded by 2 on each side) 5.
+    return PegasusXConfig(
+        vocab_size=VOCAB, d_model=hidden, encoder_layers=LAYERS, decoder_layers=LAYERS,
+        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS, encoder_ffn_dim=2 * hidden,
+        decoder_ffn_dim=2 * hidden, max_position_embeddings=MAX_POSITIONS, num_global_tokens=3, block_size=4,
+    )
+
+
+def _pegasus_x_sites(config) -> int:
+    # Each encoder layer's global-token and block-local attention (the last layer's global tokens are not
+    # read: their attention is dead code), and the decoder's self- and cross-attention.
+    return 2 * config.encoder_layers - 1 + 2 * config.decoder_layers
+
+
 def _gpt_neox_config(hidden: int):
     from transformers import GPTNeoXConfig
 
@@ -300,6 +317,9 @@ FAMILIES = {
                tags=frozenset({"position_bias", "cross_attention"})),
         Family("bart", _bart_config, "BartForConditionalGeneration", _encoder_decoder_inputs, _encoder_decoder_sites,
                tags=frozenset({"cross_attention"})),
+        # Block-local attention over the global tokens' keys and the block's own, concatenated in the scores.
+        Family("pegasus_x", _pegasus_x_config, "PegasusXForConditionalGeneration", _encoder_decoder_inputs,
+               _pegasus_x_sites, tags=frozenset({"cross_attention", "concatenated_keys"}), impls=EAGER_ONLY),
         Family("gpt_neox", _gpt_neox_config, "GPTNeoXForCausalLM", _decoder_inputs, _decoder_sites),
         Family("phi", _phi_config, "PhiForCausalLM", _decoder_inputs, _decoder_sites),
         Family("gemma", _gemma_config, "GemmaForCausalLM", _decoder_inputs, _decoder_sites, tags=frozenset({"mqa"})),

@@ -38,8 +38,9 @@ CASES = [(name, impl, "padded") for name, family in FAMILIES.items() for impl in
     ("llama", impl, variant) for variant in ("causal", "left_padded") for impl in IMPLS
 ]
 # The longest cases of the default run (20-30 s each on 2 cores) run in the long mode only: Longformer (its
-# refusal is also in the coverage test) and the eager twins of the generate() tests (sdpa's stay).
-LONG_CASES = {("longformer", "eager", "padded")}
+# refusal is also in the coverage test), Pegasus-X (its block-local attention's form is in
+# test_pass_concat_keys) and the eager twins of the generate() tests (sdpa's stay).
+LONG_CASES = {("longformer", "eager", "padded"), ("pegasus_x", "eager", "padded")}
 LONG_IMPLS = {"eager"}
 
 

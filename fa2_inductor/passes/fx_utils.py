@@ -65,6 +65,19 @@ def forward_users(node: fx.Node) -> list[fx.Node]:
     return users
 
 
+def erase_unused(node: fx.Node) -> None:
+    """Erases ``node`` if nothing reads it, then every input that this leaves unread (a local dead-code
+    elimination, for nodes a pass built and did not use)."""
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if node._erased or node.users or node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        node.graph.erase_node(node)
+        stack.extend(inputs)
+
+
 def scalar_value(arg: Any):
     """A Python number, or a graph node holding a SymInt/SymFloat; None for anything tensor-valued."""
     if isinstance(arg, (int, float)) and not isinstance(arg, bool):

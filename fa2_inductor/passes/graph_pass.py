@@ -16,7 +16,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from .. import _extension, config
 from ..reference import EmptyRows
 from . import report
-from .fx_utils import forward_users, is_backward_node
+from .concat_keys import match_concatenated_keys
+from .fx_utils import erase_unused, forward_users, is_backward_node
 from .inductor_guards import shield_attention_chains
 from .match_sdpa import is_sdpa, match_sdpa
 from .match_softmax import match_softmax_attention, softmax_at
@@ -36,7 +37,9 @@ def match_site(node: fx.Node) -> Optional[AttentionSite]:
     if is_sdpa(node):
         return match_sdpa(node)
     softmax = softmax_at(node)
-    return match_softmax_attention(softmax) if softmax is not None else None
+    if softmax is None:
+        return None
+    return match_concatenated_keys(softmax) or match_softmax_attention(softmax)
 
 
 def _sequence_lengths(site: AttentionSite) -> tuple:
@@ -113,6 +116,8 @@ class AttentionPass(CustomGraphPass):
             backward = _decide(site)
             if site.refusal is None:
                 rewrite_site(site, backward)
+            elif site.replaces is not None:  # a site rebuilt beside the graph (concat_keys) stays: drop it
+                erase_unused(site.anchor)
             found_site = True
             report.record(site, graph_kind)
         # Rewrites leave the replaced nodes dead, and so may a refused site's matcher.

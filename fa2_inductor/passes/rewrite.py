@@ -250,6 +250,8 @@ def rewrite_site(site: AttentionSite, backward: Optional[BackwardRegion]) -> Non
         lse = insert_call(graph, operator.getitem, (fwd, 1))
         result = from_op_layout(graph, out, site.layouts["out"], _merged_leading_sizes(GraphBuilder(graph), site))
     site.anchor.replace_all_uses_with(result)
+    if site.replaces is not None:
+        site.replaces.replace_all_uses_with(result)
     if "partitioner_tag" in site.anchor.meta:
         _tag_new_nodes(graph, existing, backward=False)
     if backward is not None:

@@ -47,6 +47,7 @@ class AttentionSite:
     sinks: Optional[fx.Node] = None  # [Hq] logits that join every row's softmax denominator
     n_rep: int = 1  # K/V heads repeated in the graph and mapped back to native GQA
     forward_nodes: set = field(default_factory=set)  # the nodes the rewrite makes dead
+    replaces: Optional[fx.Node] = None  # a site rebuilt beside the graph's own nodes: the node its output replaces
     notes: list = field(default_factory=list)  # what the matcher recognised, for the report
     refusal: Optional[Refusal] = None
     detail: str = ""
