@@ -1,7 +1,9 @@
 """Layouts beyond the op's [B, H, S, D] that the pass maps exactly (issue: every family whose attention the op
 can compute is rewritten): more than two leading dims (Hiera's windows, ProphetNet's n-gram streams) merged
 into the op's batch, einsum's permuted P @ V output and seq-first operands (Funnel, XLNet), a mask subtracted
-from the scores (Funnel); and their near misses, which stay refused with their reason."""
+from the scores (Funnel), size-1 head or block dims that einsum moves out of the product's batch (CvT, LongT5,
+whose in-place bias leaves the scores viewed away and back); and their near misses, which stay refused with
+their reason."""
 
 from __future__ import annotations
 
@@ -226,6 +228,13 @@ def test_blocks_of_local_attention(cpu_pass, blocks, train):
     training, its backward a chain of ops under seq_nrs the graph no longer holds)."""
     compile_and_compare(_local_block_attention, *_local_blocks(blocks, train=train), rewrites=1, train=train)
     assert pass_counts() == {"rewrites": 1, "rewrites:mask": 1}
+
+
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_blocks_of_local_attention_with_dynamic_shapes(cpu_pass, blocks):
+    """Five heads: a size of its own (two dims of one size share a symbol, whose products einsum's views
+    then spell differently)."""
+    compile_and_compare(_local_block_attention, *_local_blocks(blocks, heads=5), rewrites=1, dynamic=True)
 
 
 def test_scores_viewed_back_transposed_are_refused(cpu_pass):
