@@ -202,6 +202,15 @@ def test_bad_arguments_are_clear_errors(capsys, argv, message):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family, sites", [("longt5", 6), ("cvt", 13)])
+def test_size_one_dims_that_einsum_moves_are_rewritten(family, sites):
+    """LongT5's single block of local attention, CvT's single-head stage: einsum moves the size-1 dim out of
+    the product's batch; every site is rewritten, the logits equal eager's."""
+    (row,) = run.run_family(family, ["eager"], timeout_s=600)
+    assert row.status is Status.FULL and (row.sites_rewritten, row.sites_total) == (sites, sites), row
+
+
+@pytest.mark.slow
 def test_every_installed_family(capsys):
     """The whole sweep (an hour or more on 2 cores): no family's compiled output differs from eager, none
     crashes, none with softmax or SDPA goes unrecognised, and >= 95% of the counted families are fully

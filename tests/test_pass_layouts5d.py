@@ -1,7 +1,9 @@
 """Layouts beyond the op's [B, H, S, D] that the pass maps exactly (issue: every family whose attention the op
 can compute is rewritten): more than two leading dims (Hiera's windows, ProphetNet's n-gram streams) merged
 into the op's batch, einsum's permuted P @ V output and seq-first operands (Funnel, XLNet), a mask subtracted
-from the scores (Funnel); and their near misses, which stay refused with their reason."""
+from the scores (Funnel), size-1 head or block dims that einsum moves out of the product's batch (CvT, LongT5,
+whose in-place bias leaves the scores viewed away and back); and their near misses, which stay refused with
+their reason."""
 
 from __future__ import annotations
 
@@ -171,16 +173,77 @@ def test_scores_subtracted_from_a_mask_are_refused(cpu_pass):
     assert pass_counts() == {"refused:score_transform": 1}
 
 
-def test_one_head_moved_by_einsum_is_refused_with_its_detail(cpu_pass):
-    """CvT's einsum with a single head: the size-1 head dim travels to another place in P @ V's operand,
-    which the layout map does not follow (with three heads the same code is rewritten)."""
+# --- size-1 head or block dims that einsum moves out of the product's batch --------------------------
+def _one_head_einsum(q, k, v):
+    """CvT: einsum leaves a single head beside the bmm's batch and puts it back around the product."""
+    scores = torch.einsum("bhlk,bhtk->bhlt", q, k) * 0.25
+    return torch.einsum("bhlt,bhtv->bhlv", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("heads", [3, 1])
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_one_head_moved_by_einsum(cpu_pass, heads, train):
+    torch.manual_seed(0)
+    q = torch.randn(2, heads, 12, D, requires_grad=train)
+    k, v = (torch.randn(2, heads, 6, D, requires_grad=train) for _ in range(2))
+    compile_and_compare(_one_head_einsum, q, k, v, rewrites=1, train=train)
+
+
+def test_one_head_with_the_probabilities_transposed_is_refused(cpu_pass):
+    """``bhtl`` reads P transposed (square, so the shapes agree): the size-1 head changes nothing to that."""
     def fn(q, k, v):
-        scores = torch.einsum("bhlk,bhtk->bhlt", q, k) * 0.25
-        return torch.einsum("bhlt,bhtv->bhlv", scores.softmax(-1), v)
+        scores = torch.einsum("bhlk,bhtk->bhlt", q, k)
+        return torch.einsum("bhtl,bhtv->bhlv", scores.softmax(-1), v)
 
     torch.manual_seed(0)
-    for heads, rewrites in ((3, 1), (1, 0)):
-        q, k, v = torch.randn(2, heads, 12, D), torch.randn(2, heads, 6, D), torch.randn(2, heads, 6, D)
-        compile_and_compare(fn, q, k, v, rewrites=rewrites)
-    report = fa2_inductor.explain(fn, q, k, v)
-    assert report.refused[0].reason == "unrecognised_layout" and "size-1 head or block dim" in report.refused[0].detail
+    q, k, v = (torch.randn(2, 1, S, D) for _ in range(3))
+    compile_and_compare(fn, q, k, v, rewrites=0)
+    assert pass_counts() == {"refused:unrecognised_layout": 1}
+    assert "another order" in fa2_inductor.explain(fn, q, k, v).refused[0].detail
+
+
+def _local_blocks(blocks, keys_per_block=3 * S, heads=2, train=False):
+    """LongT5's local attention: q [B, blocks, S, H, D], keys and values [B, blocks, 3S, H, D], and a bias
+    [1, 1, H, S, 3S] plus a key mask [B, blocks, 1, 1, 3S] added in place to einsum's scores."""
+    torch.manual_seed(0)
+    q = torch.randn(2, blocks, S, heads, D, requires_grad=train)
+    k, v = (torch.randn(2, blocks, keys_per_block, heads, D, requires_grad=train) for _ in range(2))
+    bias = torch.randn(1, 1, heads, S, keys_per_block)
+    mask = torch.where(torch.rand(2, blocks, 1, 1, keys_per_block) > 0.3, 0.0, -1e10)
+    return q, k, v, bias + mask
+
+
+def _local_block_attention(q, k, v, bias):
+    scores = torch.einsum("...qhd,...khd->...hqk", q, k)
+    scores += bias
+    probs = torch.nn.functional.softmax(scores.float(), dim=-1).type_as(scores)
+    return torch.einsum("...hqk,...khd->...qhd", probs, v)
+
+
+@pytest.mark.parametrize("blocks", [1, 3])
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_blocks_of_local_attention(cpu_pass, blocks, train):
+    """One block: einsum moves its size-1 dim out of the product; several: the block dim is merged into
+    the op's batch. The in-place bias leaves the sum viewed into the product's layout and back (and in
+    training, its backward a chain of ops under seq_nrs the graph no longer holds)."""
+    compile_and_compare(_local_block_attention, *_local_blocks(blocks, train=train), rewrites=1, train=train)
+    assert pass_counts() == {"rewrites": 1, "rewrites:mask": 1}
+
+
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_blocks_of_local_attention_with_dynamic_shapes(cpu_pass, blocks):
+    """Five heads: a size of its own (two dims of one size share a symbol, whose products einsum's views
+    then spell differently)."""
+    compile_and_compare(_local_block_attention, *_local_blocks(blocks, heads=5), rewrites=1, dynamic=True)
+
+
+def test_scores_viewed_back_transposed_are_refused(cpu_pass):
+    """The same in-place bias, but the scores come back with queries and keys swapped (a square block, so
+    the shape is the same): the softmax then runs over the queries."""
+    def fn(q, k, v, bias):
+        scores = torch.einsum("...qhd,...khd->...hqk", q, k)
+        scores += bias
+        return torch.einsum("...hqk,...khd->...qhd", scores.transpose(-1, -2).softmax(-1), v)
+
+    compile_and_compare(fn, *_local_blocks(1, keys_per_block=S), rewrites=0)
+    assert pass_counts() == {"refused:score_transform": 1}

@@ -525,10 +525,18 @@ def test_scores_changed_in_place(op_nodes):
     assert op_nodes[0].args[4] == pytest.approx(D**-0.5)
 
 
-def test_scores_changed_in_place_in_training_stay(op_nodes):
-    """The in-place op's backward is not one the site's backward region is recognised in."""
-    compile_and_compare(_scores_divided_in_place, *qkv(train=True), torch.randn(2, 1, 8, 8), rewrites=0, train=True)
-    assert pass_counts() == {"refused:training_backward_unrecognised": 1}
+def test_scores_changed_in_place_in_training(op_nodes):
+    """The in-place op's backward is a chain under seq_nrs of ops the graph no longer holds, between the
+    site's own backward nodes: part of the site's backward region."""
+    compile_and_compare(_scores_divided_in_place, *qkv(train=True), torch.randn(2, 1, 8, 8), rewrites=1, train=True)
+    assert [n.target for n in op_nodes] == [FLASH_FWD, FLASH_BWD]
+
+
+def test_scores_changed_in_place_with_a_mask_that_needs_its_gradient_stay(op_nodes):
+    """The op's dmask is the gradient of its own mask, here 0.5 * mask: no node holds that."""
+    mask = torch.randn(2, 1, 8, 8, requires_grad=True)
+    compile_and_compare(_scores_divided_in_place, *qkv(train=True), mask, rewrites=0, train=True)
+    assert pass_counts() == {"refused:training_gradient_unmapped": 1}
 
 
 def test_training_with_a_row_masked_by_finfo_min(op_nodes):

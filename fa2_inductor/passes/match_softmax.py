@@ -115,8 +115,9 @@ def _reaches_matmul(node: fx.Node, steps: int = 8) -> bool:
         if batched_matmul(node, with_bias=True) is not None or is_batched_product(node, with_bias=True):
             return True
         scaled = _scale_factor(node)
-        if scaled:
-            node = scaled[0]
+        viewed = strip_views(node)[0]  # a chain of views is one step (LongT5's in-place sum views 6 deep)
+        if scaled or viewed is not node:
+            node = scaled[0] if scaled else viewed
             continue
         tensor_inputs = [a for a in node.all_input_nodes if tensor_val(a) is not None]
         if len(tensor_inputs) > 1:
@@ -199,6 +200,10 @@ def _walk_up_scores(softmax: Softmax, zeroed: Optional[tuple] = None) -> Optiona
         elif scores.merged_heads is None and _merges_heads(x):
             x = x.args[0]
             scores.merged_heads = tuple(tensor_val(x).shape)
+        elif _viewed_scores(x) is not None:
+            x, as_they_are = _viewed_scores(x)
+            if not as_they_are:
+                scores.refused = Refused(Refusal.SCORE_TRANSFORM, "the scores seen through views that move their values")
         elif any(_reaches_matmul(a) for a in x.all_input_nodes):
             scores.refused = _transform_refusal(x)
         else:
@@ -232,6 +237,19 @@ def _softcap(scores: _Scores, tanh: fx.Node) -> Optional[fx.Node]:
     if not (cap > 0 and math.isfinite(cap) and math.isclose(cap, inner_cap, rel_tol=2 ** -23)):
         return None
     return x
+
+
+def _viewed_scores(node: fx.Node) -> Optional[tuple[fx.Node, bool]]:
+    """(scores, as they are): the scores a chain of views and permutes shows, and whether it shows them with
+    their own shape and dim order (LongT5's in-place ``scores += bias`` on einsum's view of its product,
+    functionalised, views the sum back into the product's layout and out again); None for no such chain."""
+    if not ops.calls(node, *ops.VIEW, *ops.PERMUTE, *ops.IDENTITY):
+        return None
+    source, dims = strip_views(node)  # a size-1 dim comes out as None (any size-1 dim shows it)
+    if source is node or not _reaches_matmul(source):
+        return None
+    same = all(d in (i, None) for i, d in enumerate(dims))
+    return source, same and same_shape(tensor_val(source).shape, tensor_val(node).shape)
 
 
 def _plus_zero(node: fx.Node) -> Optional[fx.Node]:
@@ -1053,9 +1071,10 @@ def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
 
 
 def _pv_layout_detail(pv: Optional[BatchedMatmul], probs: _Probs) -> str:
-    if pv is not None and strip_views(pv.lhs.source)[0] in probs.chain:  # CvT's one head, LongT5's one block
-        return ("P @ V: its matmul reads the probabilities through permutes and size-1 views the layout map does "
-                "not follow (e.g. einsum moving a size-1 head or block dim)")
+    if pv is not None and pv.lhs.source in probs.chain:
+        return "P @ V reads the probabilities with their dims in another order (e.g. transposed)"
+    if pv is not None and strip_views(pv.lhs.source)[0] in probs.chain:
+        return "P @ V: its matmul reads the probabilities through views the layout map does not follow"
     return "P @ V"
 
 

@@ -205,19 +205,21 @@ def _is_full_mask_gradient(node: fx.Node, site: AttentionSite) -> bool:
 
 
 def _with_untagged_links(graph: fx.Graph, nodes: list, region: set) -> set:
-    """Adds nodes that some later pass created without a seq_nr (e.g. dynamic shapes' scalar division)
-    but that only link our backward nodes to each other."""
+    """Adds the nodes that only link our backward nodes to each other: computed from them and read only by
+    them or by each other. Some later pass creates such nodes without a seq_nr (e.g. dynamic shapes' scalar
+    division); a functionalised in-place op on a view (LongT5's ``scores += bias``) leaves a chain of them
+    under the seq_nrs of ops the graph no longer holds."""
     members = set(nodes)
-    grew = True
-    while grew:
-        grew = False
-        for node in graph.nodes:
-            if node in members or node in region or node.op != "call_function" or not node.users:
-                continue
-            if any(a in members for a in node.all_input_nodes) and all(u in members for u in node.users):
-                members.add(node)
-                grew = True
-    return members
+    order = [n for n in graph.nodes if n.op == "call_function" and n not in region]
+    reached = set()  # computed from our backward nodes
+    for node in order:
+        if node not in members and any(a in members or a in reached for a in node.all_input_nodes):
+            reached.add(node)
+    links = set()
+    for node in reversed(order):  # users come after the nodes they read
+        if node in reached and node.users and all(u in members or u in links for u in node.users):
+            links.add(node)
+    return members | links
 
 
 def _carries_gradient(node: fx.Node) -> bool:

@@ -126,6 +126,7 @@ class Operand:
     source: fx.Node
     dims: list[int]
     factors: list = field(default_factory=list)  # (factor, divide): scalar scales met on the [N, M, K] operand
+    units: tuple = ()  # batch positions of size-1 source dims the product's batch has not (see _beside_unit_dims)
 
 
 @dataclass
@@ -169,7 +170,11 @@ def _factors(bmm: fx.Node) -> tuple:
     return bmm.args[0], bmm.args[1], None
 
 
-def _operand(bmm_arg: fx.Node, rank: int, scale_of=None) -> Optional[Operand]:
+def _operand(bmm_arg: fx.Node, rank: int, scale_of=None, units: Optional[tuple] = (),
+             source_rank: Optional[int] = None) -> Optional[Operand]:
+    """The logical operand of a product of batch rank ``rank - 2``; with ``units`` (positions, or None for where
+    the source has them), one whose source, of ``source_rank`` dims, holds size-1 dims beside those
+    (_beside_unit_dims)."""
     node, factors = bmm_arg, []
     while _is_identity(node):
         node = node.args[0]
@@ -193,6 +198,10 @@ def _operand(bmm_arg: fx.Node, rank: int, scale_of=None) -> Optional[Operand]:
             kept = kept[:-2] + [kept[-1], kept[-2]]
     else:
         kept = [0, 1, 2]
+    if units != ():
+        source, source_dims = strip_views(node, keep_shared=True, source_rank=source_rank)
+        found = _beside_unit_dims(source, [source_dims[i] for i in kept], units)
+        return Operand(source, found[0], factors, found[1]) if found else None
     # Through size-1 views first (einsum); without them when that leaves a tensor of another rank
     # (e.g. MQA's [B, 1, G, S, D] -> [B, G, S, D] repeat, which must stay the operand).
     for unit_views, source_rank in ((True, None), (False, None), (True, rank)):
@@ -203,6 +212,21 @@ def _operand(bmm_arg: fx.Node, rank: int, scale_of=None) -> Optional[Operand]:
     if rank == 3:  # e.g. a [1, H, S, D] tensor seen as [H, S, D]
         return Operand(node, [0, 1, 2])
     return None
+
+
+def _beside_unit_dims(source: fx.Node, dims: list, units: Optional[tuple]) -> Optional[tuple[list, tuple]]:
+    """(dims, units): ``dims`` (the source dims an operand shows) with every other source dim, each of size 1,
+    placed at the batch positions ``units`` (None: at their own positions in the source), in source order;
+    None if the source has other dims than those or they do not fit there."""
+    shape = tensor_val(source).shape
+    hidden = [d for d in range(len(shape)) if d not in dims]
+    if None in dims or len(set(dims)) != len(dims) or not all(same_size(shape[d], 1) for d in hidden):
+        return None
+    units = tuple(hidden) if units is None else tuple(units)
+    if not hidden or len(units) != len(hidden) or any(u >= len(shape) - 2 for u in units):
+        return None
+    shown, spare = iter(dims), iter(hidden)
+    return [next(spare) if p in units else next(shown) for p in range(len(shape))], units
 
 
 def _split_dims(shape, bmm_shape) -> Optional[list[int]]:
@@ -232,6 +256,8 @@ def batched_matmul_readings(node: fx.Node, with_bias: bool = False, scale_of=Non
     With ``permuted_out``, ``node`` may also be a permutation of the product's split (einsum's
     ``bnij,bjnd->bind`` leaves it so); ``out_layout`` then holds that permutation."""
     readings = [_batched_matmul(node, unit_views, with_bias, scale_of, permuted_out) for unit_views in (True, False)]
+    if not any(r is not None and r.batch_rank + 2 == tensor_val(node).dim() for r in readings):
+        readings.append(_batched_matmul_beside_unit_dims(node, with_bias, scale_of, permuted_out))
     return [r for i, r in enumerate(readings) if r is not None and r not in readings[:i]]
 
 
@@ -262,6 +288,47 @@ def _batched_matmul(node: fx.Node, unit_views: bool, with_bias: bool, scale_of,
     lhs_arg, rhs_arg, bias = _factors(bmm)
     lhs, rhs = _operand(lhs_arg, rank, scale_of), _operand(rhs_arg, rank, scale_of)
     if lhs is None or rhs is None:
+        return None
+    return BatchedMatmul(bmm, node, lhs, rhs, rank - 2, bias, out_layout)
+
+
+def _batched_matmul_beside_unit_dims(node: fx.Node, with_bias: bool, scale_of, permuted_out: bool) -> Optional[BatchedMatmul]:
+    """``node`` shows the product's batch and size-1 dims beside it: einsum takes a size-1 head or block dim
+    (CvT's single head, LongT5's single block) out of the bmm's batch and puts it back around it. Read as a
+    product of ``node``'s rank whose extra batch dims have size 1 and whose operands' sources hold as many
+    size-1 dims beside those they show. Such dims index nothing, so where they stand changes no value; the
+    logical order is ``node``'s own, or with ``permuted_out`` its permutation that puts the size-1 dims where
+    the left operand's source has them (einsum's permuted P @ V output reads the probabilities as they are)."""
+    source, dims = strip_views(node)
+    if is_batched_product(source, with_bias):
+        bmm, split = source, [0, 1, 2]
+    elif ops.calls(source, *ops.VIEW) and is_batched_product(_through_identities(source.args[0]), with_bias):
+        bmm = _through_identities(source.args[0])
+        split = _split_dims(tensor_val(source).shape, tensor_val(bmm).shape)
+    else:
+        return None
+    if split is None:
+        return None
+    shown = [d for d in dims if d in split]
+    units = tuple(i for i, d in enumerate(dims) if d not in split)  # inserted, or size-1 dims of the split
+    if sorted(shown) != split or not units or not all(same_size(tensor_val(node).shape[u], 1) for u in units):
+        return None
+    lhs_arg, rhs_arg, bias = _factors(bmm)
+    rank = len(dims)
+    if shown == split and dims[-2:] == split[-2:]:
+        lhs = _operand(lhs_arg, len(split), scale_of, units, rank)
+        out_layout = None
+    elif permuted_out:
+        lhs = _operand(lhs_arg, len(split), scale_of, None, rank)
+        if lhs is None or len(lhs.units) != len(units):
+            return None
+        at_units, at_split = iter(units), iter(split)
+        out_layout = tuple(next(at_units) if p in lhs.units else dims.index(next(at_split)) for p in range(rank))
+        out_layout = None if out_layout == tuple(range(rank)) else out_layout
+    else:
+        return None
+    rhs = _operand(rhs_arg, len(split), scale_of, lhs.units, rank) if lhs is not None else None
+    if rhs is None:
         return None
     return BatchedMatmul(bmm, node, lhs, rhs, rank - 2, bias, out_layout)
 
