@@ -140,11 +140,11 @@ def backward_kernel_unsupported_reason(
         return "backward kernel disabled (FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL=1)"
     if softcap and attn_mask is not None and attn_mask.dtype != torch.bool:
         return "softcap with an additive mask (the backward kernel recovers capped scores from P, which the mask shifts)"
-    if window_left != -1 and not is_causal:
-        return "window_left without is_causal"
-    # Every backward kernel takes causal and a window, so the forward's rules are asked without them (its
-    # additive-mask kernels may have no causal instantiation).
-    reason = kernel_unsupported_reason(q, k, v, attn_mask, False, -1, softcap, sinks)
+    # Every backward kernel takes the causal positions and a window, with or without a mask, so the forward's
+    # rules are asked of the positions and of the mask apart (its additive-mask kernels may have no causal
+    # instantiation).
+    reason = (kernel_unsupported_reason(q, k, v, None, is_causal, window_left, softcap, sinks)
+              or kernel_unsupported_reason(q, k, v, attn_mask, False, -1, softcap, sinks))
     if reason is not None:
         return reason
     for name, t in (("grad_out", grad_out), ("out", out)):

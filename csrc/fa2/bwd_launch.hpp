@@ -91,6 +91,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   auto tile_kv = Shape<typename T::TileN, typename T::TileD>{};
   auto gmem = [](const void* ptr) { return make_gmem_ptr(static_cast<Element const*>(ptr)); };
   auto gmem_out = [](void* ptr) { return make_gmem_ptr(static_cast<Element*>(ptr)); };
+  const SoftcapFactors softcap = softcap_factors(p.scale, p.softcap);
   BwdKernelArgs<T> args{
       make_tma_copy(SM90_TMA_LOAD{}, make_tensor(gmem(p.q), lq), take<0, 2>(typename T::SmemLayoutQ{}), tile_q, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, make_tensor(gmem(p.dout), ldo), take<0, 2>(typename T::SmemLayoutDO{}), tile_q, _1{}),
@@ -118,8 +119,8 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
       p.deterministic,
       p.causal,
       p.causal ? p.window_left : -1,
-      p.softcap > 0.f ? p.scale / p.softcap : 0.f,
-      p.softcap > 0.f ? p.softcap / p.scale : 0.f,
+      softcap.in,
+      softcap.out,
       p.softcap > 0.f ? 1.f / (p.softcap * float(M_LOG2E)) : 0.f,
       {},  // mask: filled below for the masked kernels
   };

@@ -325,7 +325,7 @@ CUTE_DEVICE void probabilities(const BwdKernelArgs<Traits>& args, TensorS& tSrS,
   } else {
     if (args.softcap_in != 0.f) {  // the forward's soft-capping of the raw score, before any mask
       CUTE_UNROLL
-      for (int i = 0; i < size(tSrS); ++i) tSrS(i) = args.softcap_out * tanh_approx(tSrS(i) * args.softcap_in);
+      for (int i = 0; i < size(tSrS); ++i) tSrS(i) = soft_capped(tSrS(i), args.softcap_in, args.softcap_out);
     }
     CUTE_UNROLL
     for (int i = 0; i < size(tSrS); ++i) tSrS(i) = exp2f(tSrS(i) * args.scale_log2 - lse[get<1>(tScS(i))]);

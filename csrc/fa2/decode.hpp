@@ -26,6 +26,7 @@
 
 #include "params.h"
 #include "smem_limit.hpp"
+#include "softcap.hpp"
 
 namespace fa2 {
 namespace decode {
@@ -114,11 +115,6 @@ __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ float tanh_approx(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // How the keys of one call are split across CTAs, and where the partial results live.
 struct Plan {
@@ -138,8 +134,7 @@ struct Args {
   float* max_partial;   // [splits, B * Hq * Sq]: each split's row max (natural units), -inf for an empty row
   float* sum_partial;   // [splits, B * Hq * Sq]: its sum of exp(score - max). Kept apart rather than as an LSE:
                         // max + log(sum) loses the sum where the max is huge (finfo.min fills)
-  float softcap_in;     // raw score -> tanh argument (scale / softcap); 0: no soft-capping
-  float softcap_out;    // tanh -> raw-score units (softcap / scale)
+  float softcap_in, softcap_out;  // softcap.hpp's factors (softcap_in = 0: none)
 };
 
 // Shared memory: the query tile and the K/V stages; at the end the stages hold each warp's rows.
@@ -360,7 +355,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         float x = s[n][c];
-        if (args.softcap_in > 0.f) x = args.softcap_out * tanh_approx(x * args.softcap_in);
+        if (args.softcap_in > 0.f) x = soft_capped(x, args.softcap_in, args.softcap_out);
         s[n][c] = visible[n][c] ? x * p.scale + bias[n][c] : -INFINITY;  // natural units: finfo.min fills stay finite
         block_max[c / 2] = fmaxf(block_max[c / 2], s[n][c]);
       }
@@ -565,11 +560,8 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
       p.seqlen_q > kDecodeMaxSeqlenQ || workspace == nullptr) {
     return cudaErrorInvalidValue;
   }
-  Args args{p, make_plan<HeadDim>(p), nullptr, nullptr, nullptr, 0.f, 0.f};
-  if (p.softcap > 0.f) {
-    args.softcap_in = p.scale / p.softcap;
-    args.softcap_out = p.softcap / p.scale;
-  }
+  const SoftcapFactors softcap = softcap_factors(p.scale, p.softcap);
+  Args args{p, make_plan<HeadDim>(p), nullptr, nullptr, nullptr, softcap.in, softcap.out};
   const Plan& plan = args.plan;
   if (plan.splits > kMaxGridDim || int64_t(p.batch) * p.heads_kv * plan.row_tiles > 0x7fffffff) {
     return cudaErrorInvalidConfiguration;

@@ -80,6 +80,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
     lv = layout(1, p.heads_kv, p.batch, p.v_row_stride, p.v_head_stride, p.v_batch_stride);
   }
 
+  const SoftcapFactors softcap = softcap_factors(p.scale, p.softcap);
   KernelArgs<T> args{
       make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q)), lq),
                     typename T::SmemLayoutQ{}, Shape<typename T::TileM, typename T::TileD>{}, _1{}),
@@ -100,8 +101,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
       p.heads_q / p.heads_kv,
       T::kCausal ? p.window_left : -1,
       p.scale,
-      p.softcap > 0.f ? p.scale / p.softcap : 0.f,
-      p.softcap > 0.f ? p.softcap / p.scale : 0.f,
+      softcap.in,
+      softcap.out,
       p.sinks,
       {},  // mask: filled below for the masked kernels
   };

@@ -18,6 +18,7 @@
 #include "tile_config.h"
 #include "mask.hpp"
 #include "softmax.hpp"
+#include "softcap.hpp"
 
 namespace fa2 {
 
@@ -129,10 +130,7 @@ struct KernelArgs {
   int seqlen_q, seqlen_k, head_ratio;  // head_ratio = Hq / Hkv
   int window_left;                     // causal kernels: keys before i - window_left hidden (-1: none)
   float scale;
-  // Soft-capping as a transform of the raw score s, applied before masks: s -> softcap_out * tanh(s * softcap_in)
-  // with softcap_in = scale / cap and softcap_out = cap / scale, so that scale * s' = cap * tanh(scale * s / cap)
-  // and the rest of the kernel (raw or pre-scaled scores) is unchanged. softcap_in = 0: no soft-capping.
-  float softcap_in, softcap_out;
+  float softcap_in, softcap_out;  // softcap.hpp's factors (softcap_in = 0: none)
   const float* sinks;               // FwdParams::sinks
   typename Traits::MaskArgsT mask;  // empty for MaskKind::kNone
 };
@@ -205,13 +203,6 @@ CUTE_DEVICE void load_mask_bits(const KernelArgs<Traits>& args, MaskBits& bits, 
   }
 }
 
-// tanh in one instruction (relative error below 2^-10.9, as FlashAttention's soft-capping uses).
-CUTE_DEVICE float tanh_approx(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Soft-caps (when asked) and masks the S tile of key block `entry` in place. kAdditive first scales S (the softmax then works
 // on scaled scores); masked kernels apply the user's mask to the blocks the pre-pass found partial
 // (bool: the bits load_mask_bits fetched); position masking (tail, causal, window) comes on top.
@@ -223,7 +214,7 @@ CUTE_DEVICE void mask_scores(const KernelArgs<Traits>& args, TensorS& s_rc, cons
   const int n = Blocks::block(entry);
   if (args.softcap_in != 0.f) {
     CUTE_UNROLL
-    for (int i = 0; i < size(s_rc); ++i) s_rc(i) = args.softcap_out * tanh_approx(s_rc(i) * args.softcap_in);
+    for (int i = 0; i < size(s_rc); ++i) s_rc(i) = soft_capped(s_rc(i), args.softcap_in, args.softcap_out);
   }
   if constexpr (T::kMask == MaskKind::kAdditive) {
     CUTE_UNROLL
