@@ -152,6 +152,24 @@ int64_t tma_stride(const at::Tensor& t, int dim, const char* name) {
   return s;
 }
 
+// Persistent forward kernels (one CTA per SM) unless switched off: the benchmark compares them with
+// one CTA per tile in the same process.
+std::atomic<bool> persistent_forward{true};
+
+void set_persistent_forward(bool on) { persistent_forward.store(on, std::memory_order_relaxed); }
+
+int sm_count(int device_index) {
+  static std::array<std::atomic<int>, 128> count_of{};  // 0: not asked yet
+  FA2_CHECK(device_index >= 0 && device_index < int(count_of.size()), "fa2_inductor: CUDA device index ",
+            device_index, " out of range");
+  int count = count_of[device_index].load(std::memory_order_relaxed);
+  if (count == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device_index));
+    count_of[device_index].store(count, std::memory_order_relaxed);
+  }
+  return count;
+}
+
 // Checks q/k/v/out/lse as both entry points take them and describes them in FwdParams (no mask).
 fa2::FwdParams describe_call(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& out, const at::Tensor& lse, double scale) {
@@ -190,6 +208,7 @@ fa2::FwdParams describe_call(const char* fn, const at::Tensor& q, const at::Tens
   p.seqlen_q = int(Sq);
   p.seqlen_k = int(Sk);
   p.head_dim = int(D);
+  p.num_sms = persistent_forward.load(std::memory_order_relaxed) ? sm_count(q.get_device()) : 0;
   p.q_batch_stride = tma_stride(q, 0, "q");
   p.q_head_stride = tma_stride(q, 1, "q");
   p.q_row_stride = tma_stride(q, 2, "q");
@@ -763,7 +782,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_cuda(const at::Tensor& q,
 
 // Raised whenever a binding's arguments change, so that a build from older sources is refused at import
 // (fa2_inductor/_extension.py INTERFACE_VERSION) instead of failing at its first call.
-constexpr int64_t kInterfaceVersion = 4;
+constexpr int64_t kInterfaceVersion = 5;
 
 std::vector<std::tuple<int64_t, std::string>> compiled_kernels() {
   std::vector<std::tuple<int64_t, std::string>> result;
@@ -991,5 +1010,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("interface_version", [] { return kInterfaceVersion; },
         "The version of these bindings' arguments (fa2_inductor._extension refuses a build of another)");
   m.def("limits", &limits, "The limits every compiled kernel shares");
+  m.def("set_persistent_forward", &set_persistent_forward,
+        "Persistent forward kernels (one CTA per SM, the default) on or off (one CTA per query tile)", py::arg("on"));
   register_bwd(m);  // the backward kernel binding's one line here
 }

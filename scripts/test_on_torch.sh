@@ -13,7 +13,7 @@ shift
 VENV=/tmp/fa2_inductor_torch$VERSION
 
 [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
-"$VENV/bin/pip" install -q "torch==$VERSION" setuptools wheel
+"$VENV/bin/pip" install -q "torch==$VERSION" "setuptools>=77" wheel
 FA2_INDUCTOR_BUILD_CUDA=0 "$VENV/bin/pip" install -q --no-build-isolation -e ".[test]"
 "$VENV/bin/python" -c "import torch; print('torch', torch.__version__)"
 "$VENV/bin/python" -m pytest -q -rfEs -p no:cacheprovider "${@:-tests}"

@@ -167,10 +167,11 @@ _LOAD_AND_RUN = textwrap.dedent(
 
 def run_in_fresh_process(manifest: dict, folder: Path) -> tuple[dict, str]:
     """Loads and runs each saved program (``manifest``: name -> kind, path, args, kwargs) in a new
-    Python process; returns its results and its stderr."""
+    Python process (a crash prints its Python stack); returns its results and its stderr."""
     torch.save(manifest, folder / "manifest.pt")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    argv = [sys.executable, "-c", _LOAD_AND_RUN, str(folder / "manifest.pt"), str(folder / "results.pt")]
+    argv = [sys.executable, "-X", "faulthandler", "-c", _LOAD_AND_RUN,
+            str(folder / "manifest.pt"), str(folder / "results.pt")]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=folder)
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(folder / "results.pt"), result.stderr

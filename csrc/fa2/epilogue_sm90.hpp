@@ -1,5 +1,6 @@
 // Epilogue: normalise O, stage it through shared memory (stmatrix), store it with one TMA
-// copy (rows past seqlen_q are clipped by the tensor map), and write the LSE rows.
+// copy (rows past seqlen_q are clipped by the tensor map), and write the LSE rows. The store is
+// waited for lazily: before the next tile's O is staged, and before the CTA exits (consumer_tiles).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -14,15 +15,23 @@ using namespace cute;
 
 template <class Traits, class FragO>
 CUTE_DEVICE void epilogue_store(const KernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
-                                FragO& tOrO, const float (&lse)[2], int tid, int m_block, int head,
-                                int batch) {
+                                FragO& tOrO, const float (&lse)[2], int tid, TileCoord tile) {
   using T = Traits;
   using Element = typename T::Element;
   typename T::TiledMmaPV mma_pv;
 
-  // Each warpgroup writes only the O rows it computed, i.e. the Q rows only its own (already
-  // completed) S GEMMs read, so reusing the Q buffer needs no barrier before these stores.
-  Tensor sO = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutO{});
+  Element* o_buffer;
+  if constexpr (T::kPersistent) {
+    o_buffer = smem.o.data();
+    // The previous tile's store must have read the buffer before it is written again.
+    if (tid == 0) tma_store_wait<0>();
+    cutlass::arch::NamedBarrier::sync(T::kConsumerThreads, kBarrierEpilogue);
+  } else {
+    // Each warpgroup writes only the O rows it computed, i.e. the Q rows only its own (already
+    // completed) S GEMMs read, so reusing the Q buffer needs no barrier before these stores.
+    o_buffer = smem.q.data();
+  }
+  Tensor sO = make_tensor(make_smem_ptr(o_buffer), typename T::SmemLayoutO{});
   Tensor rO = make_tensor_like<Element>(tOrO);
   convert_pairs(rO, tOrO);
   auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
@@ -35,8 +44,8 @@ CUTE_DEVICE void epilogue_store(const KernelArgs<Traits>& args, typename Traits:
 
   if (tid == 0) {
     Tensor mO = args.tma_o.get_tma_tensor(args.shape_q);
-    Tensor gO = local_tile(mO(_, _, head, batch), Shape<typename T::TileM, typename T::TileD>{},
-                           make_coord(m_block, _0{}));
+    Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<typename T::TileM, typename T::TileD>{},
+                           make_coord(tile.m_block, _0{}));
     auto thr_tma = args.tma_o.get_slice(_0{});
     copy(args.tma_o, thr_tma.partition_S(sO), thr_tma.partition_D(gO));
     tma_store_arrive();
@@ -48,14 +57,13 @@ CUTE_DEVICE void epilogue_store(const KernelArgs<Traits>& args, typename Traits:
   Tensor tScS = mma_qk.get_thread_slice(tid).partition_C(cS);
   Tensor c_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
   if (tid % 4 == 0) {
-    float* lse_ptr = args.lse + batch * args.lse_batch_stride + head * args.lse_head_stride;
+    float* lse_ptr = args.lse + tile.batch * args.lse_batch_stride + tile.head * args.lse_head_stride;
     CUTE_UNROLL
     for (int r = 0; r < 2; ++r) {
-      const int row = m_block * T::kBlockM + get<0>(c_rc(r, 0));
+      const int row = tile.m_block * T::kBlockM + get<0>(c_rc(r, 0));
       if (row < args.seqlen_q) lse_ptr[row] = lse[r];
     }
   }
-  if (tid == 0) tma_store_wait<0>();  // keep shared memory alive until the store has read it
 }
 
 }  // namespace fa2

@@ -127,11 +127,13 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
     if (prepass_err != cudaSuccess) return prepass_err;
   }
 
+  const int64_t tiles = int64_t(num_m_blocks) * p.heads_q * p.batch;
+  if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;  // QueryTiles numbers tiles in int
   auto kernel = &fwd_kernel_sm90<T>;
   const int smem_bytes = T::kSmemBytes;
   const cudaError_t err = allow_dynamic_smem<&fwd_kernel_sm90<T>>(smem_bytes);
   if (err != cudaSuccess) return err;
-  dim3 grid(num_m_blocks, p.heads_q, p.batch);
+  const unsigned grid = unsigned(forward_grid_size(tiles, T::kPersistent, p.num_sms));
   kernel<<<grid, T::kThreads, smem_bytes, stream>>>(args);
   return cudaGetLastError();
 }

@@ -3,6 +3,8 @@
 // S = Q.K^T (SS-WGMMA) and O += P.V (RS-WGMMA, P straight from registers).
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/mma_atom.hpp>
@@ -19,6 +21,7 @@
 #include "mask.hpp"
 #include "softmax.hpp"
 #include "softcap.hpp"
+#include "tile_scheduler.hpp"
 
 namespace fa2 {
 
@@ -43,6 +46,11 @@ struct KernelTraits {
   static constexpr MaskKind kMask = Mask_;
   using MaskArgsT = typename MaskArgsFor<Mask_>::type;
   static constexpr bool kPingPong = Config::kPingPong;
+  // Masked kernels stay one CTA per tile: the tile loop's registers would spill in them.
+  static constexpr bool kPersistent = Config::kPersistent && Mask_ == MaskKind::kNone;
+  // Causal tiles differ in cost: the most expensive (last) query tiles run first. Masked kernels do
+  // the same: the masks of real models are mostly causal-like (HF causal, sliding windows).
+  using Tiles = QueryTiles<kCausal || kMask != MaskKind::kNone, kPersistent>;
   static_assert(kHeadDim % 64 == 0, "head dim must fill 128-byte swizzle rows");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0);
   static_assert(kMask == MaskKind::kNone || kBlockM == kMaskBlockM, "the binding sizes mask grids by kMaskBlockM");
@@ -80,7 +88,7 @@ struct KernelTraits {
   // V seen as the (D, N) B operand of P.V: head dim is the MN-major (contiguous) mode.
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{}, make_ordered_layout(Shape<TileD, TileN, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  using SmemLayoutO = SmemLayoutQ;  // O is staged in the Q buffer once Q is no longer read
+  using SmemLayoutO = SmemLayoutQ;  // staged in its own buffer (persistent) or in Q's once Q is no longer read
 
   // Global views: (seq, head_dim, head, batch) with runtime strides, head dim contiguous.
   using GShape = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -103,13 +111,16 @@ struct KernelTraits {
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
+  struct NoBuffer {};
   struct SharedStorage {
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;  // also O in the epilogue
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;  // also O in the epilogue unless kPersistent
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+    std::conditional_t<kPersistent, cute::array_aligned<Element, cosize_v<SmemLayoutO>, 1024>, NoBuffer> o;
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
-    alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_q;
+    alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_q;  // Q loaded
+    alignas(8) cutlass::arch::ClusterBarrier::ValueType barrier_q_free;          // every consumer done reading Q
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile config exceeds shared memory");
@@ -159,18 +170,19 @@ struct KeyBlocks {
 };
 
 template <class Traits>
-CUTE_DEVICE KeyBlocks<Traits> key_blocks(const KernelArgs<Traits>& args, int m_block, int head, int batch) {
+CUTE_DEVICE KeyBlocks<Traits> key_blocks(const KernelArgs<Traits>& args, TileCoord tile) {
   using T = Traits;
   KeyBlocks<T> blocks;
   int first_block, last_block;
-  visible_key_block_range<T::kCausal, T::kBlockM, T::kBlockN>(m_block * T::kBlockM, args.seqlen_k, args.window_left,
-                                                              first_block, last_block);
+  visible_key_block_range<T::kCausal, T::kBlockM, T::kBlockN>(tile.m_block * T::kBlockM, args.seqlen_k,
+                                                              args.window_left, first_block, last_block);
   if constexpr (T::kMask == MaskKind::kNone) {
     blocks.first = last_block;
     blocks.count = max(0, last_block - first_block + 1);
   } else {
     const MaskArgs& mk = args.mask;
-    const int64_t row = mk.class_slice(batch, head) * mk.class_m_blocks + (mk.row_broadcast ? 0 : m_block);
+    const int64_t row =
+        mk.class_slice(tile.batch, tile.head) * mk.class_m_blocks + (mk.row_broadcast ? 0 : tile.m_block);
     const int32_t* list = mk.visit + row * (mk.num_n_blocks + 1);
     blocks.entries = list + 1;
     const int size = list[0];
@@ -230,13 +242,16 @@ CUTE_DEVICE void mask_scores(const KernelArgs<Traits>& args, TensorS& s_rc, cons
   }
 }
 
-// Producer: one thread issues every TMA copy; K and V of a block go to the same stage of two
-// pipelines so that S = Q.K^T can start while V is still in flight.
+// Producer: one thread issues every TMA copy of a tile; K and V of a block go to the same stage of
+// two pipelines so that S = Q.K^T can start while V is still in flight. `q_loads`: the tiles whose Q
+// this CTA loaded before (Q's buffer is free once the consumers have read the last one).
 template <class Traits>
 CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                                typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
-                               int m_block, int head, int batch, const KeyBlocks<Traits>& blocks) {
+                               typename Traits::PipelineState& write, int q_loads, TileCoord tile,
+                               const KeyBlocks<Traits>& blocks) {
   using T = Traits;
+  const int head = tile.head, batch = tile.batch;
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutV{});
@@ -246,7 +261,7 @@ CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::
   Tensor mK = args.tma_k.get_tma_tensor(args.shape_kv);
   Tensor mV = args.tma_v.get_tma_tensor(args.shape_kv);
   Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<typename T::TileM, typename T::TileD>{},
-                         make_coord(m_block, _0{}));
+                         make_coord(tile.m_block, _0{}));
   Tensor gK = local_tile(mK(_, _, head_kv, batch), Shape<typename T::TileN, typename T::TileD>{},
                          make_coord(_, _0{}));  // (N, D, n_blocks)
   Tensor gV = local_tile(mV(_, _, head_kv, batch), Shape<typename T::TileN, typename T::TileD>{},
@@ -260,13 +275,14 @@ CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::
                                     group_modes<0, 2>(gV));
 
   auto& bar_q = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q);
-  typename T::PipelineState write = cutlass::make_producer_start_state<typename T::Pipeline>();
+  auto& bar_q_free = *reinterpret_cast<cutlass::arch::ClusterBarrier*>(&smem.barrier_q_free);
 
   // K of the first block, then Q, then V: the first S GEMM needs only Q and K.
   using Blocks = KeyBlocks<T>;
   int n = Blocks::block(blocks.entry(0));
   pipe_k.producer_acquire(write);
   copy(args.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, n), tKsK(_, write.index()));
+  if (q_loads > 0) bar_q_free.wait((q_loads - 1) % 2);
   bar_q.arrive_and_expect_tx(T::kBytesQ);
   copy(args.tma_q.with(smem.barrier_q, 0), tQgQ, tQsQ);
   pipe_v.producer_acquire(write);
@@ -317,15 +333,20 @@ CUTE_DEVICE void convert_pairs(TensorD& d, TensorS const& s) {
   }
 }
 
-// Consumer: the full key loop for this thread's rows. Software-pipelined inside the warpgroup:
-// S for block j+1 is issued before P.V of block j, so the softmax of j+1 overlaps the P.V GEMM.
-// On return tOrO holds the unnormalised O and `softmax` its running statistics.
+// Consumer: the full key loop of one tile for this thread's rows. Software-pipelined inside the
+// warpgroup: S for block j+1 is issued before P.V of block j, so the softmax of j+1 overlaps the P.V
+// GEMM. `read` carries the K/V pipelines' position from tile to tile; `q_loads` counts the tiles whose
+// Q this CTA loaded before. On return tOrO holds the unnormalised O and `softmax` its running statistics.
+//
+// Ping-pong turn taking: warpgroup w waits on barrier w before issuing its GEMMs and then opens the
+// other's; the turns alternate across tiles (consumer_tiles opens the first and closes the last).
 template <class Traits, class FragO, class Softmax>
 CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                                    typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
-                                   FragO& tOrO, Softmax& softmax, int tid, int m_block,
-                                   const KeyBlocks<Traits>& blocks, int head, int batch) {
+                                   typename Traits::PipelineState& read, int q_loads, FragO& tOrO,
+                                   Softmax& softmax, int tid, TileCoord tile, const KeyBlocks<Traits>& blocks) {
   using T = Traits;
+  const int head = tile.head, batch = tile.batch;
   using Element = typename T::Element;
   typename T::TiledMmaQK mma_qk;
   typename T::TiledMmaPV mma_pv;
@@ -350,10 +371,10 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
   constexpr int kRows = decltype(size<0>(s_rc))::value;
   float correction[kRows];
 
-  const int m0 = m_block * T::kBlockM;
-  typename T::PipelineState read;  // stage 0, phase 0
+  const int m0 = tile.m_block * T::kBlockM;
 
   auto& bar_q = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q);
+  auto& bar_q_free = *reinterpret_cast<cutlass::arch::ClusterBarrier*>(&smem.barrier_q_free);
 
   // First (highest) key block: always masked when needed, no rescale.
   constexpr bool kScaled = T::kMask == MaskKind::kAdditive;  // softmax on pre-scaled scores
@@ -364,32 +385,24 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
   int entry_next = kEntryAhead && blocks.count > 1 ? blocks.entry(1) : 0;
   MaskBitsFragment<T::kBlockN, kRows> mask_bits;
   load_mask_bits<T>(args, mask_bits, c_rc, entry, m0, head, batch);
-  // Ping-pong turn taking: warpgroup w waits on barrier w before issuing its GEMMs and then
-  // opens the other's. Warpgroup 0 opens its own first turn; the last warpgroup skips its final
-  // hand-over so every barrier ends balanced.
   const int wg = tid / 128;
   auto turn_wait = [&]() {
     if constexpr (T::kPingPong) cutlass::arch::NamedBarrier::sync(T::kConsumerThreads, kBarrierSchedule + wg);
   };
-  auto turn_pass = [&](bool last) {
+  auto turn_pass = [&]() {
     if constexpr (T::kPingPong) {
-      if (!(last && wg == T::kConsumerWarpgroups - 1)) {
-        cutlass::arch::NamedBarrier::arrive(T::kConsumerThreads, kBarrierSchedule + (wg + 1) % T::kConsumerWarpgroups);
-      }
+      cutlass::arch::NamedBarrier::arrive(T::kConsumerThreads, kBarrierSchedule + (wg + 1) % T::kConsumerWarpgroups);
     }
   };
-  if constexpr (T::kPingPong) {
-    static_assert(T::kConsumerWarpgroups == 2, "ping-pong schedules two consumer warpgroups");
-    if (wg == 0) cutlass::arch::NamedBarrier::arrive(T::kConsumerThreads, kBarrierSchedule + 0);
-  }
 
   pipe_k.consumer_wait(read);
-  bar_q.wait(0);
+  bar_q.wait(q_loads % 2);
   turn_wait();
   wg_gemm<true, -1, false>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
-  turn_pass(blocks.count == 1);
+  turn_pass();
   warpgroup_wait<0>();
   warpgroup_fence_operand(tSrS);
+  if (blocks.count == 1) bar_q_free.arrive();  // the last S GEMM of the tile has read Q
   pipe_k.consumer_release(read);
   mask_scores<T>(args, s_rc, c_rc, entry, mask_bits, m0, head, batch);
   softmax.template update<true, kScaled>(s_rc, correction);
@@ -406,9 +419,10 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
     wg_gemm<true, -1, false>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
     pipe_v.consumer_wait(read_v);
     wg_gemm<false, -1, true>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
-    turn_pass(i + 1 == blocks.count);
+    turn_pass();
     warpgroup_wait<1>();  // S of block n is ready; P.V of the previous block may still run
     warpgroup_fence_operand(tSrS);
+    if (i + 1 == blocks.count) bar_q_free.arrive();
     pipe_k.consumer_release(read);
     mask_scores<T>(args, s_rc, c_rc, entry, mask_bits, m0, head, batch);
     softmax.template update<false, kScaled>(s_rc, correction);

@@ -31,6 +31,7 @@ struct FwdParams {
   float* lse = nullptr;  // [B, Hq, Sq]
 
   int batch = 0, heads_q = 0, heads_kv = 0, seqlen_q = 0, seqlen_k = 0, head_dim = 0;
+  int num_sms = 0;  // the device's SMs: persistent forward kernels launch one CTA on each (0: one CTA per tile)
 
   // Strides in elements; the last (head-dim) stride is 1 for every tensor.
   int64_t q_batch_stride = 0, q_head_stride = 0, q_row_stride = 0;

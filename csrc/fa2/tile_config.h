@@ -5,6 +5,8 @@ namespace fa2 {
 
 // kBlockM: query rows per CTA (64 per consumer warpgroup).
 // kBlockN: key rows per pipeline stage.  kStages: K/V shared-memory stages.
+// kPersistent: one CTA per SM runs many query tiles (tile_scheduler.hpp); it needs O staged apart
+// from Q, which D=256's shared memory has no room for.
 template <int HeadDim, bool Causal>
 struct TileConfig;
 
@@ -40,16 +42,19 @@ template <bool Causal>
 struct TileConfig<64, Causal> {
   static constexpr bool kPingPong = FA2_PINGPONG_HDIM64;
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM64, kStages = 3;
+  static constexpr bool kPersistent = true;
 };
 template <bool Causal>
 struct TileConfig<128, Causal> {
   static constexpr bool kPingPong = FA2_PINGPONG_HDIM128;
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM128, kStages = 2;
+  static constexpr bool kPersistent = true;
 };
 template <bool Causal>
 struct TileConfig<256, Causal> {
   static constexpr bool kPingPong = FA2_PINGPONG_HDIM256;
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM256, kStages = 2;
+  static constexpr bool kPersistent = false;
 };
 
 }  // namespace fa2

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .. import _cuda
+from .. import _cuda, _extension
 
 FA2 = "fa2_inductor"
 DEFAULT_IMPLS = (FA2, "sdpa_flash", "sdpa_cudnn")
@@ -34,6 +34,24 @@ def _fa2_inductor(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -
         return torch.ops.fa2_inductor.flash_attention_fwd(q, k, v, None, scale, causal)[0]
 
     return call
+
+
+def _fa2_inductor_per_tile(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Callable:
+    """Our kernel launched with one CTA per query tile instead of one per SM: what the persistent
+    scheduler gains, measured in the same run (kernels without it run alike either way)."""
+    call = _fa2_inductor(q, k, v, causal, scale)
+    if not q.is_cuda:
+        return call
+    switch = _extension.C.set_persistent_forward
+
+    def per_tile(q, k, v):
+        switch(False)
+        try:
+            return call(q, k, v)
+        finally:
+            switch(True)
+
+    return per_tile
 
 
 def _sdpa_with(backend: SDPBackend) -> Callable:
@@ -65,6 +83,7 @@ def _inductor(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Ca
 # name -> build(q, k, v, causal, scale) -> call(q, k, v) -> out; build raises NotAvailable to decline a cell.
 IMPLEMENTATIONS: dict[str, Callable] = {
     FA2: _fa2_inductor,
+    "fa2_per_tile": _fa2_inductor_per_tile,
     "sdpa_flash": _sdpa_with(SDPBackend.FLASH_ATTENTION),
     "sdpa_cudnn": _sdpa_with(SDPBackend.CUDNN_ATTENTION),
     "sdpa_efficient": _sdpa_with(SDPBackend.EFFICIENT_ATTENTION),
