@@ -1,6 +1,6 @@
 // Epilogue: normalise O, stage it through shared memory (stmatrix), store it with one TMA
-// copy (rows past seqlen_q are clipped by the tensor map), and write the LSE rows. The store is
-// waited for lazily: before the next tile's O is staged, and before the CTA exits (consumer_tiles).
+// copy (rows past seqlen_q are clipped by the tensor map), and write the LSE rows. A persistent CTA
+// waits for the store lazily: before the next tile's O is staged, and before it exits (consumer_tiles).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -64,6 +64,7 @@ CUTE_DEVICE void epilogue_store(const KernelArgs<Traits>& args, typename Traits:
       if (row < args.seqlen_q) lse_ptr[row] = lse[r];
     }
   }
+  if (!T::kPersistent && tid == 0) tma_store_wait<0>();  // keep shared memory alive until the store has read it
 }
 
 }  // namespace fa2

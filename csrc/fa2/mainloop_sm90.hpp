@@ -61,7 +61,7 @@ struct KernelTraits {
   static constexpr int kThreads = 128 + kConsumerThreads;  // one producer warpgroup
   // setmaxnreg moves registers between warpgroups of the CTA: what the consumers gain must not
   // exceed what the producer gives back from the launch allocation, or setmaxnreg.inc waits forever.
-  static constexpr int kProducerRegs = kConsumerWarpgroups == 2 ? 32 : 40;
+  static constexpr int kProducerRegs = kPersistent ? 40 : (kConsumerWarpgroups == 2 ? 32 : 40);
   static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 232 : 160;
   static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
   static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * kConsumerThreads,
@@ -402,7 +402,8 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
   turn_pass();
   warpgroup_wait<0>();
   warpgroup_fence_operand(tSrS);
-  if (blocks.count == 1) bar_q_free.arrive();  // the last S GEMM of the tile has read Q
+  // The tile's last S GEMM has read Q: a persistent CTA's producer may load the next tile's.
+  if (T::kPersistent && blocks.count == 1) bar_q_free.arrive();
   pipe_k.consumer_release(read);
   mask_scores<T>(args, s_rc, c_rc, entry, mask_bits, m0, head, batch);
   softmax.template update<true, kScaled>(s_rc, correction);
@@ -422,7 +423,7 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
     turn_pass();
     warpgroup_wait<1>();  // S of block n is ready; P.V of the previous block may still run
     warpgroup_fence_operand(tSrS);
-    if (i + 1 == blocks.count) bar_q_free.arrive();
+    if (T::kPersistent && i + 1 == blocks.count) bar_q_free.arrive();
     pipe_k.consumer_release(read);
     mask_scores<T>(args, s_rc, c_rc, entry, mask_bits, m0, head, batch);
     softmax.template update<false, kScaled>(s_rc, correction);

@@ -1,16 +1,23 @@
 // Which query tiles a CTA of the forward runs, and in which order.
 //
-// Tiles are numbered head by head (the query tiles of one (batch, head) next to each other, so that
-// CTAs running at the same time share their K/V in L2); causal and masked kernels number the most
-// expensive (last) query tiles of a head first. A persistent launch has one CTA per SM that strides
-// through the numbers: the next tile's Q and K/V loads start while the current tile finishes, and the
-// launch, barrier set-up and descriptor prefetch are paid once per SM instead of once per tile.
-// Otherwise the grid has one CTA per tile and the stride loop runs once.
+// A persistent launch has one CTA per SM that strides through the tile numbers: the next tile's Q and
+// K/V loads start while the current tile finishes, and the launch, barrier set-up and descriptor
+// prefetch are paid once per SM instead of once per tile. Otherwise the grid has one CTA per tile (a
+// (query tile, head, batch) grid for kernels built without persistence: their coordinates come from
+// blockIdx, which costs no register across the key loop) and the stride loop runs once.
+//
+// Numbering: tiles of equal cost (no causal positions, no mask) go head by head, the query tiles of
+// one (batch, head) next to each other, so that CTAs running at the same time share their K/V in L2.
+// Tiles of unequal cost (causal, masked) run the most expensive (last) query tiles first: per head
+// when the hardware hands out one CTA per tile (it balances them as SMs free up), across all heads
+// when CTAs stride (each round of strides then costs about the same; a per-head order striding by a
+// grid close to a multiple of the tiles per head gave some CTAs three times the work of others).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
+#include <cuda_runtime.h>
 #include <cute/config.hpp>
 
 namespace fa2 {
@@ -21,23 +28,37 @@ struct TileCoord {
 
 template <bool kHeaviestFirst, bool kPersistent>
 struct QueryTiles {
-  int num_m_blocks, heads, count;
+  int num_m_blocks, heads, slices, count;  // slices: (batch, head) pairs
 
   CUTE_HOST_DEVICE QueryTiles(int seqlen_q, int block_m, int heads_q, int batch)
-      : num_m_blocks((seqlen_q + block_m - 1) / block_m), heads(heads_q), count(num_m_blocks * heads_q * batch) {}
+      : num_m_blocks((seqlen_q + block_m - 1) / block_m),
+        heads(heads_q),
+        slices(heads_q * batch),
+        count(num_m_blocks * slices) {}
 
-  CUTE_DEVICE int first() const { return int(blockIdx.x); }
+  CUTE_DEVICE int first() const { return kPersistent ? int(blockIdx.x) : 0; }
   // One tile per CTA ends the loop at once, visibly to the compiler (no loop state kept in registers).
   CUTE_DEVICE int next(int tile) const { return kPersistent ? tile + int(gridDim.x) : count; }
   CUTE_DEVICE TileCoord coord(int tile) const {
+    if constexpr (!kPersistent) {
+      const int m = int(blockIdx.x);
+      return {kHeaviestFirst ? int(gridDim.x) - 1 - m : m, int(blockIdx.y), int(blockIdx.z)};
+    }
+    if (kHeaviestFirst && int(gridDim.x) < count) {
+      const int slice = tile % slices;
+      return {num_m_blocks - 1 - tile / slices, slice % heads, slice / heads};
+    }
     const int m = tile % num_m_blocks, slice = tile / num_m_blocks;
     return {kHeaviestFirst ? num_m_blocks - 1 - m : m, slice % heads, slice / heads};
   }
 };
 
-// Grid size: persistent kernels one CTA per SM (never more CTAs than tiles), others one per tile.
-inline int64_t forward_grid_size(int64_t tiles, bool persistent, int num_sms) {
-  return persistent && num_sms > 0 ? std::min<int64_t>(tiles, num_sms) : tiles;
+// The grid: persistent kernels one CTA per SM (never more CTAs than tiles; num_sms = 0: one per tile),
+// others one per (query tile, head, batch).
+inline dim3 forward_grid(int num_m_blocks, int heads, int batch, bool persistent, int num_sms) {
+  const int64_t tiles = int64_t(num_m_blocks) * heads * batch;
+  if (!persistent) return dim3(unsigned(num_m_blocks), unsigned(heads), unsigned(batch));
+  return dim3(unsigned(num_sms > 0 ? std::min<int64_t>(tiles, num_sms) : tiles));
 }
 
 }  // namespace fa2
