@@ -133,7 +133,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const int smem_bytes = T::kSmemBytes;
   const cudaError_t err = allow_dynamic_smem<&fwd_kernel_sm90<T>>(smem_bytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid = forward_grid(num_m_blocks, p.heads_q, p.batch, T::kPersistent, p.num_sms);
+  const bool stride = !T::kCausal || p.seqlen_q <= T::Config::kCausalStrideMaxSeqlenQ;
+  const dim3 grid = forward_grid(num_m_blocks, p.heads_q, p.batch, T::kPersistent, stride ? p.num_sms : 0);
   kernel<<<grid, T::kThreads, smem_bytes, stream>>>(args);
   return cudaGetLastError();
 }

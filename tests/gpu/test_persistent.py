@@ -95,7 +95,7 @@ def test_bit_equal_and_accurate(one_cta_per_tile, d, dt, shape, is_causal):
 def test_windows_with_tiles_that_see_no_key(one_cta_per_tile, d):
     """A window shorter than Sq - Sk leaves the last query tiles without any key: O = 0, LSE = -inf."""
     needs_kernel(d, "bf16")
-    q, k, v = make_qkv(4, 8, 2, 1500, 200, d, torch.bfloat16)
+    q, k, v = make_qkv(4, 8, 2, 1000, 200, d, torch.bfloat16)  # 1000 rows: causal calls stride
     out, lse = assert_same_both_ways(one_cta_per_tile, lambda: fwd(q, k, v, True, window_left=37))
     assert (lse[:, :, 237:] == float("-inf")).all() and (out[:, :, 237:] == 0).all()
     assert torch.isfinite(lse[:, :, :237]).all()
