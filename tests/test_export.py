@@ -178,11 +178,19 @@ def _fresh_python(folder: Path, *argv: str) -> subprocess.CompletedProcess:
                           timeout=300, env=env, cwd=folder)
 
 
-def run_in_fresh_process(manifest: dict, folder: Path) -> dict:
+# torch 2.11's AOTInductor loader segfaults loading a CPU package in a process that sees a CUDA device
+# (H200: inside torch's _load_aoti, whether fa2_inductor is imported or not); elsewhere it loads.
+AOTI_CPU_PACKAGES_CRASH = torch.__version__.startswith("2.11") and torch.cuda.is_available()
+
+
+def run_in_fresh_process(manifest: dict, folder: Path, tolerate_crash: bool = False) -> dict:
     """Loads and runs each saved program (``manifest``: name -> kind, path, args, kwargs) in a new
-    Python process; returns its results."""
+    Python process; returns its results (with tolerate_crash, a crashed process gives every program
+    {"crashed": its signal, "stderr": the end of its stderr})."""
     torch.save(manifest, folder / "manifest.pt")
     result = _fresh_python(folder, "-c", _LOAD_AND_RUN, str(folder / "manifest.pt"), str(folder / "results.pt"))
+    if tolerate_crash and result.returncode < 0:
+        return {name: {"crashed": f"signal {-result.returncode}", "stderr": result.stderr[-2000:]} for name in manifest}
     assert result.returncode == 0, result.stderr[-4000:]
     return torch.load(folder / "results.pt")
 
@@ -215,7 +223,9 @@ def round_trips(tmp_path_factory):
             expected[f"{name}_aoti"] = expected[name]
     if _has_transformers():
         manifest["hf_llama"], expected["hf_llama"] = _export_hf_llama(folder)
-    results = run_in_fresh_process(manifest, folder)
+    results = run_in_fresh_process({n: e for n, e in manifest.items() if e["kind"] == "export"}, folder)
+    packages = {n: e for n, e in manifest.items() if e["kind"] == "aoti"}
+    results.update(run_in_fresh_process(packages, folder, tolerate_crash=True))
     without_the_op = {kind: load_without_the_op(kind, path, folder)
                       for kind, path in (("export", manifest["causal_gqa"]["path"]),
                                          ("aoti", manifest["bool_mask_window_aoti"]["path"]))}
@@ -258,6 +268,10 @@ def _op_arguments(name: str) -> tuple:
 def test_loaded_program_runs_the_op_at_new_shapes_like_eager(round_trips, name):
     cases, _ = round_trips
     expected, got = cases[name]
+    if "crashed" in got:
+        if AOTI_CPU_PACKAGES_CRASH:
+            pytest.xfail("torch 2.11's AOTInductor loader crashes on CPU packages when a CUDA device is present")
+        pytest.fail(f"the fresh process crashed ({got['crashed']}): {got['stderr']}")
     assert got["op_calls"] == 1
     torch.testing.assert_close(got["outputs"], expected, atol=1e-6, rtol=1e-6)
     if not name.endswith("_aoti"):  # the op's trailing arguments survive serialisation
