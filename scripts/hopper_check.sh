@@ -27,7 +27,7 @@
 #   e2e-train   python -m fa2_inductor.bench_e2e --phases train train_padded --json e2e_train.json (a training
 #               step of the same model, with and without padding; E2E_ARGS applies too)
 #   zoo         python -m fa2_inductor.bench_e2e --zoo --json zoo.json (real model shapes with attention_mask)
-#   suite       the README's test command, python -m pytest -q tests, with the same per-test cut -> suite.log
+#   suite       the README's tests (python -m pytest -q tests, one process: the hang guard follows one) with the same per-test cut -> suite.log
 #   demo        python -m fa2_inductor.demo -> demo.log
 #   report      results.md from this folder's JSON (python -m fa2_inductor.bench.results)
 # Every stage's status, exit code and wall time go to summary.md and summary.json; a failing stage never
