@@ -1,4 +1,4 @@
-"""Inputs, skips and the accuracy rule shared by the Hopper kernel tests (test_kernel.py, test_mask.py).
+"""Inputs, skips, the PyTorch baseline and the accuracy rule shared by the Hopper kernel tests.
 
 Import it after the module-level skips: it reads the compiled kernel list from fa2_inductor._C.
 """
@@ -35,6 +35,21 @@ def make_qkv(b, hq, hkv, sq, sk, d, dtype, layout="bhsd", requires_grad=False, s
         return t.detach().requires_grad_(requires_grad)
 
     return one(hq, sq), one(hkv, sk), one(hkv, sk)
+
+
+def torch_attention(q, k, v, scale, is_causal):
+    """Plain PyTorch attention in q's dtype (the error baseline); GQA by repeating heads."""
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if is_causal:
+        sq, sk = q.shape[2], k.shape[2]
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    p = torch.softmax(s.to(acc), dim=-1).to(q.dtype)
+    return torch.matmul(p, v)
 
 
 def assert_twice_torch_error(out, lse, ref, base):

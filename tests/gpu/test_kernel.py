@@ -23,23 +23,8 @@ if _extension.C is None:
     pytest.skip(f"fa2_inductor._C not loaded: {_extension.status}", allow_module_level=True)
 
 from tests.gpu.kernel_inputs import (  # noqa: E402
-    COMPILED, DEV, DTYPES, HEAD_DIMS, assert_twice_torch_error, make_qkv, needs_kernel,
+    COMPILED, DEV, DTYPES, HEAD_DIMS, assert_twice_torch_error, make_qkv, needs_kernel, torch_attention,
 )
-
-
-def torch_attention(q, k, v, scale, is_causal):
-    """Plain PyTorch attention in q's dtype (the error baseline); GQA by repeating heads."""
-    rep = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(rep, dim=1)
-    v = v.repeat_interleave(rep, dim=1)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if is_causal:
-        sq, sk = q.shape[2], k.shape[2]
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
-    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
-    p = torch.softmax(s.to(acc), dim=-1).to(q.dtype)
-    return torch.matmul(p, v)
 
 
 def run_kernel(q, k, v, scale, is_causal):

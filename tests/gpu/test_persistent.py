@@ -21,7 +21,7 @@ if _extension.C is None:
     pytest.skip(f"fa2_inductor._C not loaded: {_extension.status}", allow_module_level=True)
 
 from tests.gpu.kernel_inputs import (  # noqa: E402
-    DEV, DTYPES, HEAD_DIMS, assert_twice_torch_error, make_qkv, needs_kernel,
+    DEV, DTYPES, HEAD_DIMS, assert_twice_torch_error, make_qkv, needs_kernel, torch_attention,
 )
 
 
@@ -81,13 +81,7 @@ def test_bit_equal_and_accurate(one_cta_per_tile, d, dt, shape, is_causal):
     if b * hq * sq * sk <= 8 * 16 * 512 * 512:  # the float64 reference of the largest shapes costs seconds
         scale = 1.0 / math.sqrt(d)
         ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), scale=scale, is_causal=is_causal)
-        rep = hq // hkv
-        kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        s = (q @ kk.transpose(-1, -2)) * scale
-        if is_causal:
-            s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=DEV).tril(), float("-inf"))
-        base = torch.softmax(s.float(), -1).to(q.dtype) @ vv
-        assert_twice_torch_error(out, lse, ref, base)
+        assert_twice_torch_error(out, lse, ref, torch_attention(q, k, v, scale, is_causal))
         torch.testing.assert_close(lse, ref_lse.float(), atol=1e-3, rtol=1e-3)
 
 
