@@ -125,7 +125,7 @@ fwd_kernel_sm90(CUTE_GRID_CONSTANT const KernelArgs<Traits> args) {
   TileCoord one_tile{};
   KeyBlocks<T> one_tile_blocks;
   if constexpr (!T::kPersistent) {
-    one_tile = tiles.coord(tiles.first());
+    one_tile = tiles.coord(0);
     if (!tile_runs<T, true>(args, one_tile)) return;
     one_tile_blocks = key_blocks<T>(args, one_tile);
   }

@@ -2,9 +2,9 @@
 //
 // A persistent launch has one CTA per SM that strides through the tile numbers: the next tile's Q and
 // K/V loads start while the current tile finishes, and the launch, barrier set-up and descriptor
-// prefetch are paid once per SM instead of once per tile. Otherwise the grid has one CTA per tile (a
-// (query tile, head, batch) grid for kernels built without persistence: their coordinates come from
-// blockIdx, which costs no register across the key loop) and the stride loop runs once.
+// prefetch are paid once per SM instead of once per tile. Otherwise the grid has one CTA per tile: a
+// persistent kernel's stride loop then runs once; kernels built without persistence have no loop and a
+// (query tile, head, batch) grid, their coordinates read from blockIdx (no register across the key loop).
 //
 // Numbering: tiles of equal cost (no causal positions, no mask) go head by head, the query tiles of
 // one (batch, head) next to each other, so that CTAs running at the same time share their K/V in L2.
@@ -36,9 +36,10 @@ struct QueryTiles {
         slices(heads_q * batch),
         count(num_m_blocks * slices) {}
 
-  CUTE_DEVICE int first() const { return kPersistent ? int(blockIdx.x) : 0; }
-  // One tile per CTA ends the loop at once, visibly to the compiler (no loop state kept in registers).
-  CUTE_DEVICE int next(int tile) const { return kPersistent ? tile + int(gridDim.x) : count; }
+  // A persistent CTA's stride: tiles first(), next(first()), ... below count.
+  CUTE_DEVICE int first() const { return int(blockIdx.x); }
+  CUTE_DEVICE int next(int tile) const { return tile + int(gridDim.x); }
+  // Kernels built without persistence ignore `tile`: their (query tile, head, batch) grid says it.
   CUTE_DEVICE TileCoord coord(int tile) const {
     if constexpr (!kPersistent) {
       const int m = int(blockIdx.x);
