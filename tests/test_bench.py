@@ -191,6 +191,29 @@ def test_time_calls_uses_the_cpu_timer_on_cpu():
     assert len(calls) == 4 and len(times) == 3
 
 
+def test_calls_are_timed_in_turns_after_their_own_probe_and_warmup():
+    log = []
+    calls = {name: (lambda name: lambda arg: log.append(name + arg))(name) for name in ("a", "b", "c")}
+    times = bench.time_in_turns(calls, [("0",), ("1",)], torch.device("cpu"), warmup=1, reps=3)
+    probes_and_warmups = ["a0", "a0", "b0", "b0", "c0", "c0"]
+    rounds = ["a1", "b1", "c1", "c0", "b0", "a0", "a1", "b1", "c1"]  # every other round reversed
+    assert log == probes_and_warmups + rounds
+    assert all(len(t) == 3 and min(t) >= 0 for t in times.values())
+
+
+def test_a_call_that_fails_while_timed_leaves_the_turns_with_its_error():
+    seen = []
+
+    def flaky(arg):
+        seen.append(arg)
+        if len(seen) > 2:
+            raise torch.cuda.OutOfMemoryError("out of memory")
+
+    times = bench.time_in_turns({"flaky": flaky, "ok": lambda arg: None}, [("x",)], torch.device("cpu"), warmup=1, reps=4)
+    assert isinstance(times["flaky"], torch.cuda.OutOfMemoryError) and len(seen) == 3
+    assert len(times["ok"]) == 4
+
+
 def test_input_sets_outgrow_the_cache():
     assert bench.input_set_count(set_bytes=200 << 20, cache_bytes=50 << 20) == 2
     assert bench.input_set_count(set_bytes=10 << 20, cache_bytes=50 << 20) == 8

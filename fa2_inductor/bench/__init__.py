@@ -27,7 +27,9 @@ from .masks import mask_rows
 from .measure import CellResult, Measurement, measure, measure_cell, ratio_name
 from .plot import draw_plot
 from .report import Progress, environment, group_title, table_header, table_row, write_json
-from .timing import TIME_BUDGET_MS, affordable_counts, input_set_count, time_calls, time_cpu, time_cuda
+from .timing import (
+    TIME_BUDGET_MS, affordable_counts, input_set_count, time_calls, time_cpu, time_cuda, time_in_turns,
+)
 
 __all__ = [
     "CAUSAL_CHOICES", "DTYPES", "PAPER_HIDDEN", "PAPER_TOKENS", "Cell", "attention_flops", "random_input_sets",
@@ -40,5 +42,5 @@ __all__ = [
     "CellResult", "Measurement", "measure", "measure_cell", "ratio_name",
     "draw_plot",
     "Progress", "environment", "group_title", "table_header", "table_row", "write_json",
-    "TIME_BUDGET_MS", "affordable_counts", "input_set_count", "time_calls", "time_cpu", "time_cuda",
+    "TIME_BUDGET_MS", "affordable_counts", "input_set_count", "time_calls", "time_cpu", "time_cuda", "time_in_turns",
 ]

@@ -1,4 +1,5 @@
-"""Measuring one cell: each implementation is built, checked against SDPA, then timed on the same inputs."""
+"""Measuring one cell: each implementation is built and checked against SDPA, then all are timed in turns on
+the same inputs."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import Tensor
 
 from .cases import DTYPES, Cell, random_input_sets, tflops
 from .implementations import FA2, IMPLEMENTATIONS, NotAvailable, compare_to_reference, sdpa_reference
-from .timing import affordable_counts, input_set_count, time_calls
+from .timing import input_set_count, time_in_turns
 
 
 @dataclass
@@ -59,6 +60,50 @@ def _build_and_run_once(name: str, cell: Cell, inputs: tuple, scale: float) -> t
     return call, out
 
 
+def measure_together(
+    names: Sequence[str],
+    cell: Cell,
+    input_sets: list[tuple],
+    expected: Optional[Tensor],
+    device: torch.device,
+    warmup: int,
+    reps: int,
+) -> dict[str, Measurement]:
+    """Checks each implementation on one cell against ``expected`` (if given), then times the ones that
+    passed in turns (``time_in_turns``)."""
+    scale = cell.head_dim**-0.5
+    results: dict[str, Measurement] = {}
+    passed: dict[str, tuple[Callable, Optional[float]]] = {}
+    for name in names:
+        try:
+            call, out = _build_and_run_once(name, cell, input_sets[0], scale)
+        except NotAvailable as exc:
+            results[name] = Measurement("n/a", reason=str(exc))
+            continue
+        except Exception as exc:  # recorded, so the sweep goes on and the JSON says what broke
+            results[name] = Measurement("error", reason=describe_exception(exc))
+            continue
+        error = None
+        if expected is not None:
+            error, within = compare_to_reference(out, expected)
+            if not within:
+                reason = f"max abs error {error:.3g} vs SDPA is above tolerance"
+                results[name] = Measurement("WRONG", max_abs_error=error, reason=reason)
+                continue
+        del out
+        passed[name] = (call, error)
+    timed = time_in_turns({name: call for name, (call, _) in passed.items()}, input_sets, device,
+                          warmup=warmup, reps=reps)
+    for name, (_, error) in passed.items():
+        times = timed[name]
+        if isinstance(times, Exception):
+            results[name] = Measurement("error", max_abs_error=error, reason=describe_exception(times))
+        else:
+            median = statistics.median(times)
+            results[name] = Measurement("ok", median, tflops(cell.flops, median), error, times_ms=times)
+    return {name: results[name] for name in names}
+
+
 def measure(
     name: str,
     cell: Cell,
@@ -68,29 +113,8 @@ def measure(
     warmup: int,
     reps: int,
 ) -> Measurement:
-    """Checks one implementation on one cell against ``expected`` (if given), then times it."""
-    scale = cell.head_dim**-0.5
-    try:
-        call, out = _build_and_run_once(name, cell, input_sets[0], scale)
-    except NotAvailable as exc:
-        return Measurement("n/a", reason=str(exc))
-    except Exception as exc:  # recorded, so the sweep goes on and the JSON says what broke
-        return Measurement("error", reason=describe_exception(exc))
-    error = None
-    if expected is not None:
-        error, within = compare_to_reference(out, expected)
-        if not within:
-            reason = f"max abs error {error:.3g} vs SDPA is above tolerance"
-            return Measurement("WRONG", max_abs_error=error, reason=reason)
-    del out
-    try:
-        probe_ms = time_calls(call, input_sets, device, warmup=0, reps=1)[0]
-        warmup, reps = affordable_counts(probe_ms, warmup, reps)
-        times = time_calls(call, input_sets, device, warmup=warmup, reps=reps)
-    except Exception as exc:  # e.g. out of memory: record it and go on with the next cell
-        return Measurement("error", max_abs_error=error, reason=describe_exception(exc))
-    median = statistics.median(times)
-    return Measurement("ok", median, tflops(cell.flops, median), error, times_ms=times)
+    """One implementation checked and timed alone (``measure_together`` of one)."""
+    return measure_together([name], cell, input_sets, expected, device, warmup, reps)[name]
 
 
 def ratio_name(impl: str) -> str:
@@ -136,5 +160,4 @@ def _input_sets_for(cell: Cell, device: torch.device, seed: int) -> list[tuple[T
 def measure_cell(cell: Cell, impls: Sequence[str], device: torch.device, args: argparse.Namespace) -> CellResult:
     input_sets = _input_sets_for(cell, device, args.seed)
     expected = sdpa_reference(*input_sets[0], cell.causal, cell.head_dim**-0.5) if args.check else None
-    measurements = {name: measure(name, cell, input_sets, expected, device, args.warmup, args.reps) for name in impls}
-    return CellResult(cell, measurements)
+    return CellResult(cell, measure_together(impls, cell, input_sets, expected, device, args.warmup, args.reps))
