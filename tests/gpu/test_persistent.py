@@ -1,6 +1,6 @@
 """The persistent forward (one CTA per SM striding through the query tiles) against the same kernel
 launched with one CTA per tile: every tile runs the same instructions either way, so out and lse must be
-bit-equal, on shapes with many tiles per SM, tiles without any key, the rows-filter pass, GQA, windows,
+bit-equal, on shapes with several tiles per SM, tiles without any key, the rows-filter pass, GQA, windows,
 strided inputs and soft-capping; and the persistent results pass the float64 accuracy rule.
 Skipped unless an sm_90 GPU and fa2_inductor._C exist."""
 
@@ -59,7 +59,8 @@ def assert_same_both_ways(one_cta_per_tile, call):
     return out, lse
 
 
-# (batch, heads_q, heads_kv, seqlen_q, seqlen_k): up to ~30 tiles per SM on 132 SMs, odd tails, Sq != Sk.
+# (batch, heads_q, heads_kv, seqlen_q, seqlen_k): 2-4 tiles per SM on 132 SMs (the first three), fewer tiles
+# than SMs (the last two), odd tails, Sq != Sk.
 SHAPES = [
     (8, 16, 16, 512, 512),
     (3, 12, 4, 1000, 1000),
