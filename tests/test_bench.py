@@ -242,7 +242,7 @@ def test_compare_to_reference_uses_dtype_tolerance_and_rejects_nan():
 def _measure(name, cell, check=True, reps=2):
     input_sets = _inputs(cell)
     expected = bench.sdpa_reference(*input_sets[0], cell.causal, cell.head_dim**-0.5) if check else None
-    return bench.measure(name, cell, input_sets, expected, torch.device("cpu"), warmup=1, reps=reps)
+    return bench.measure_together([name], cell, input_sets, expected, torch.device("cpu"), warmup=1, reps=reps)[name]
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -24,7 +24,7 @@ from .cli import run_settings
 from .implementations import DEFAULT_IMPLS, FA2, IMPLEMENTATIONS, TOLERANCES, NotAvailable, attention_by_hand
 from .implementations import compare_to_reference, sdpa_reference
 from .masks import mask_rows
-from .measure import CellResult, Measurement, measure, measure_cell, ratio_name
+from .measure import CellResult, Measurement, measure_cell, measure_together, ratio_name
 from .plot import draw_plot
 from .report import Progress, environment, group_title, table_header, table_row, write_json
 from .timing import (
@@ -39,7 +39,7 @@ __all__ = [
     "DEFAULT_IMPLS", "FA2", "IMPLEMENTATIONS", "TOLERANCES", "NotAvailable", "attention_by_hand",
     "compare_to_reference", "sdpa_reference",
     "mask_rows",
-    "CellResult", "Measurement", "measure", "measure_cell", "ratio_name",
+    "CellResult", "Measurement", "measure_cell", "measure_together", "ratio_name",
     "draw_plot",
     "Progress", "environment", "group_title", "table_header", "table_row", "write_json",
     "TIME_BUDGET_MS", "affordable_counts", "input_set_count", "time_calls", "time_cpu", "time_cuda", "time_in_turns",

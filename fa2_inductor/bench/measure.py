@@ -104,19 +104,6 @@ def measure_together(
     return {name: results[name] for name in names}
 
 
-def measure(
-    name: str,
-    cell: Cell,
-    input_sets: list[tuple],
-    expected: Optional[Tensor],
-    device: torch.device,
-    warmup: int,
-    reps: int,
-) -> Measurement:
-    """One implementation checked and timed alone (``measure_together`` of one)."""
-    return measure_together([name], cell, input_sets, expected, device, warmup, reps)[name]
-
-
 def ratio_name(impl: str) -> str:
     return "fa2/" + impl.removeprefix("sdpa_")
 
