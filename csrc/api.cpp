@@ -158,16 +158,18 @@ std::atomic<bool> persistent_forward{true};
 
 void set_persistent_forward(bool on) { persistent_forward.store(on, std::memory_order_relaxed); }
 
-int sm_count(int device_index) {
-  static std::array<std::atomic<int>, 128> count_of{};  // 0: not asked yet
-  FA2_CHECK(device_index >= 0 && device_index < int(count_of.size()), "fa2_inductor: CUDA device index ",
+// A device attribute, asked of the driver once per device and kept (calls are on the hot path).
+template <cudaDeviceAttr kAttribute>
+int device_attribute(int device_index) {
+  static std::array<std::atomic<int>, 128> value_plus_one{};  // 0: not asked yet
+  FA2_CHECK(device_index >= 0 && device_index < int(value_plus_one.size()), "fa2_inductor: CUDA device index ",
             device_index, " out of range");
-  int count = count_of[device_index].load(std::memory_order_relaxed);
-  if (count == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device_index));
-    count_of[device_index].store(count, std::memory_order_relaxed);
+  int value = value_plus_one[device_index].load(std::memory_order_relaxed) - 1;
+  if (value < 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, kAttribute, device_index));
+    value_plus_one[device_index].store(value + 1, std::memory_order_relaxed);
   }
-  return count;
+  return value;
 }
 
 // Checks q/k/v/out/lse as both entry points take them and describes them in FwdParams (no mask).
@@ -208,7 +210,9 @@ fa2::FwdParams describe_call(const char* fn, const at::Tensor& q, const at::Tens
   p.seqlen_q = int(Sq);
   p.seqlen_k = int(Sk);
   p.head_dim = int(D);
-  p.num_sms = persistent_forward.load(std::memory_order_relaxed) ? sm_count(q.get_device()) : 0;
+  p.num_sms = persistent_forward.load(std::memory_order_relaxed)
+                  ? device_attribute<cudaDevAttrMultiProcessorCount>(q.get_device())
+                  : 0;
   p.q_batch_stride = tma_stride(q, 0, "q");
   p.q_head_stride = tma_stride(q, 1, "q");
   p.q_row_stride = tma_stride(q, 2, "q");
@@ -524,18 +528,8 @@ using Reason = std::optional<std::string>;
 
 bool is_hopper(const c10::Device& device) {
   const int index = device.has_index() ? device.index() : c10::cuda::current_device();
-  static std::array<std::atomic<int>, 128> capability_of{};  // major * 10 + minor; 0: not asked yet
-  FA2_CHECK(index >= 0 && index < int(capability_of.size()), "fa2_inductor: CUDA device index ", index,
-              " out of range");
-  int capability = capability_of[index].load(std::memory_order_relaxed);
-  if (capability == 0) {
-    int major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index));
-    capability = major * 10 + minor;
-    capability_of[index].store(capability, std::memory_order_relaxed);
-  }
-  return capability == 90;
+  return device_attribute<cudaDevAttrComputeCapabilityMajor>(index) == 9 &&
+         device_attribute<cudaDevAttrComputeCapabilityMinor>(index) == 0;
 }
 
 // The mask's strides once expanded to [B, Hq, Sq, Sk] as Tensor.expand makes them (0 on broadcast dims),

@@ -171,11 +171,11 @@ _LOAD_AND_RUN = textwrap.dedent(
 )
 
 
-def _fresh_python(folder: Path, *argv: str) -> subprocess.CompletedProcess:
+def _fresh_python(folder: Path, *argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """A new Python process (a crash prints its Python stack) that finds this checkout's packages."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-X", "faulthandler", *argv], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=folder)
+                          timeout=timeout, env=env, cwd=folder)
 
 
 # torch 2.11's AOTInductor loader segfaults loading a CPU package in a process that sees a CUDA device
@@ -362,9 +362,8 @@ def test_aoti_package_of_a_hf_llama_holds_the_pass_rewrite(cpu_pass, tmp_path):
 @pytest.mark.slow
 def test_aoti_check_script_runs_on_cpu(tmp_path):
     """scripts/aoti_check.py, the GPU machine's check, on CPU: every check but the kernel's passes."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    argv = [sys.executable, str(ROOT / "scripts" / "aoti_check.py"), "--device", "cpu", "--out", str(tmp_path)]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    result = _fresh_python(tmp_path, str(ROOT / "scripts" / "aoti_check.py"), "--device", "cpu", "--out",
+                           str(tmp_path), timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     status = {line.split()[0]: line.split()[1] for line in result.stdout.splitlines()[1:-1]}
     assert status == {"export": "ok", "compile": "ok", "package": "ok", "load": "ok",
