@@ -405,7 +405,7 @@ def test_backward_deterministic(d, case):
     window_left = 300 if case.endswith("window") else -1
     masked = case.startswith("mask")
     mask = random_bool(2, 4, 700, 900, torch.Generator(device=DEV).manual_seed(1)) if masked else None
-    g = torch.randn_like(q)
+    g = torch.randn(q.shape, device=DEV, dtype=q.dtype, generator=torch.Generator(device=DEV).manual_seed(d + 1))
     scale = 1 / math.sqrt(d)
     first = kernel_grads(q, k, v, g, scale, is_causal, mask, deterministic=True, window_left=window_left)
     second = kernel_grads(q, k, v, g, scale, is_causal, mask, deterministic=True, window_left=window_left)

@@ -158,7 +158,7 @@ def test_gradients(d, dt, is_causal, shape):
     b, hq, hkv, sq, sk = shape
     dtype = DTYPES[dt]
     q, k, v = make_qkv(b, hq, hkv, sq, sk, d, dtype, layout="bshd", seed=d + sq)
-    g = torch.randn(b, hq, sq, d, device=DEV, dtype=dtype)
+    g = torch.randn(b, hq, sq, d, device=DEV, dtype=dtype, generator=torch.Generator(device=DEV).manual_seed(d + sk))
     scale = 1.0 / math.sqrt(d)
     ours = _grads(lambda q, k, v: fa2_inductor.flash_attention(q, k, v, is_causal=is_causal), q, k, v, g)
     ref = _grads(lambda q, k, v: torch_attention(q, k, v, scale, is_causal), q.double(), k.double(), v.double(), g.double())

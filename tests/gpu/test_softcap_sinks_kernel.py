@@ -150,12 +150,14 @@ def _grads(q, k, v, sinks, g, softcap, is_causal):
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 def test_sinks_train_on_the_kernels(dt, is_causal, fresh_counters):
-    """No fallback either way; dq, dk, dv and dsinks within twice PyTorch's own error (autograd in the dtype)."""
+    """No fallback either way; dq, dk, dv and dsinks within twice PyTorch's own error (autograd in the dtype).
+    dsinks is one sum per head whose error is that of O's rounding to the dtype (PyTorch's: dP's); over 4
+    heads the max of such sums exceeds 2x in about one draw of 13, over 32 heads it stays within 1.7x."""
     d = 128 if (128, dt) in {(dd, t) for dd, t in _extension.C.compiled_kernels()} else HEAD_DIMS[0]
     needs_kernel(d, dt)
-    q, k, v = make_qkv(2, 4, 2, 333, 333, d, DTYPES[dt], seed=3)
-    sinks = torch.linspace(-1.0, 2.0, 4, device=DEV)
-    g = torch.randn(q.shape, device=DEV, dtype=q.dtype)
+    q, k, v = make_qkv(2, 32, 8, 333, 333, d, DTYPES[dt], seed=3)
+    sinks = torch.linspace(-1.0, 2.0, 32, device=DEV)
+    g = torch.randn(q.shape, device=DEV, dtype=q.dtype, generator=torch.Generator(device=DEV).manual_seed(4))
     got = _grads(q, k, v, sinks, g, 0.0, is_causal)
     assert not any(key.startswith(("reference_fallback", "backward_fallback")) for key in fresh_counters), dict(
         fresh_counters)
