@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class AttentionReport:
     sites: list  # passes.report.SiteRecord, in compile order
+    other_softmaxes: list = field(default_factory=list)  # passes.report.OtherSoftmax: softmaxes that are no attention
 
     @property
     def rewritten(self) -> list:
@@ -18,10 +19,14 @@ class AttentionReport:
         return [s for s in self.sites if not s.rewritten]
 
     def __str__(self) -> str:
-        if not self.sites:
-            return "fa2_inductor: no attention found"
-        lines = [f"fa2_inductor: {len(self.rewritten)} of {len(self.sites)} attention sites rewritten"]
-        lines += [f"  {i}. {site}" for i, site in enumerate(self.sites, 1)]
+        if self.sites:
+            lines = [f"fa2_inductor: {len(self.rewritten)} of {len(self.sites)} attention sites rewritten"]
+            lines += [f"  {i}. {site}" for i, site in enumerate(self.sites, 1)]
+        else:
+            lines = ["fa2_inductor: no attention found"]
+        if self.other_softmaxes:
+            lines.append(f"softmax calls that are no attention ({len(self.other_softmaxes)}):")
+            lines += [f"  - {softmax}" for softmax in self.other_softmaxes]
         return "\n".join(lines)
 
 
@@ -41,4 +46,4 @@ def explain(model_or_fn, *example_inputs, **example_kwargs) -> AttentionReport:
 
     with report.collecting() as records:
         torch.compile(model_or_fn, backend=backend)(*example_inputs, **example_kwargs)
-    return AttentionReport(list(records))
+    return AttentionReport(list(records), list(records.other_softmaxes))

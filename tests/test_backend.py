@@ -160,6 +160,21 @@ def test_explain_lists_every_site(cpu_pass):
     assert "1 of 2 attention sites rewritten" in text and "softmax_not_last_dim" in text
 
 
+def test_explain_lists_softmax_calls_that_are_no_attention(cpu_pass):
+    """A router's softmax (over a linear layer's output) is no site, counted nowhere, but explain says why."""
+    def router(x, w):
+        return (x @ w).softmax(dim=-1).topk(2).values
+
+    x, w = torch.randn(3, 10, 16), torch.randn(16, 4)
+    report = fa2_inductor.explain(router, x, w)
+    assert report.sites == [] and len(report.other_softmaxes) == 1
+    assert str(report).splitlines() == [
+        "fa2_inductor: no attention found",
+        "softmax calls that are no attention (1):",
+        "  - [inference] softmax over dim 2 of [3, 10, 4]: its input is computed by no product of two tensors "
+        "(it comes from aten.mm.default)"]
+
+
 def test_import_is_light():
     script = "import sys, fa2_inductor; print(sorted(m for m in sys.modules if m.startswith(('torch._inductor', 'fa2_inductor.passes'))))"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)

@@ -60,6 +60,22 @@ def test_an_attention_free_model_and_an_unsupported_implementation_are_not_count
     assert report.summary(rows)["counted"] == 0
 
 
+def test_a_model_whose_softmax_is_no_attention_is_not_counted():
+    """MobileViTV2's separable attention weighs tokens by a softmax over a convolution's output (no q @ kᵀ):
+    the pass sees every softmax and says so."""
+    row, _ = run.run_family("mobilevitv2", ["eager", "sdpa"], timeout_s=600)
+    assert row.status is Status.SOFTMAX_ONLY and row.sites_total == 0, row
+    assert row.why() == ("softmax but no attention: its input is computed by no product of two tensors "
+                         "(it comes from aten.convolution.default)")
+    assert report.summary([row])["counted"] == 0
+
+
+def test_a_model_that_samples_is_compared_from_the_same_random_state():
+    """ViT-MAE masks random patches in its forward: eager and compiled runs draw the same ones."""
+    (row,) = run.run_family("vit_mae", ["sdpa"], timeout_s=600)
+    assert row.status is Status.FULL and row.max_abs_diff <= TOLERANCE["atol"], row
+
+
 def test_tiny_configs_keep_each_kind_of_layer_and_consistent_head_dims():
     from transformers import DeepseekV3Config, Gemma3TextConfig, Qwen3NextConfig
 

@@ -297,7 +297,7 @@ def _coverage(doc: dict, source: str) -> list[str]:
     table = []
     for family, family_rows in by_family(rows).items():
         status = family_status(family_rows)
-        if (status in COUNTED and status is not Status.FULL) or status is Status.BEYOND_OP:
+        if (status in COUNTED and status is not Status.FULL) or status in (Status.BEYOND_OP, Status.SOFTMAX_ONLY):
             why = "; ".join(f"{row.implementation}: {row.why()}" for row in family_rows if row.why())
             table.append([family, status.value, why.replace("|", "\\|")])  # "max |diff|" inside a table cell
     return lines + _table(["family (not fully rewritten)", "verdict", "why"], sorted(table))

@@ -23,6 +23,7 @@ from ..passes.refusals import Refusal
 from .results import TOLERANCE, Row, Status
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
+SAMPLING_SEED = 2
 
 
 class CountAttentionCalls(TorchFunctionMode):
@@ -79,7 +80,7 @@ def measure(family: str, implementation: str, built_marker: Path | None = None) 
             inputs["use_cache"] = False  # one prefill forward: no cache objects in the graph
         calls = CountAttentionCalls()
         with torch.no_grad(), calls:
-            expected = first_float_output(model(**inputs))
+            expected = first_float_output(_run_seeded(model, inputs))
     except Exception as error:
         row.error = one_line(error)
         row.seconds = time.perf_counter() - start
@@ -108,24 +109,33 @@ def _compile_and_compare(row: Row, model, inputs: dict, expected: torch.Tensor, 
     torch._dynamo.reset()
     try:
         with report.collecting() as records, torch.no_grad():
-            got = first_float_output(torch.compile(model, backend="fa2_inductor")(**inputs))
+            got = first_float_output(_run_seeded(torch.compile(model, backend="fa2_inductor"), inputs))
     except Exception as error:
         row.status, row.error = Status.CRASHED, one_line(error)
-        row.note = _inductor_alone(model, inputs, expected)
+        row.note = _inductor_alone(model, inputs, expected)[0]
         return
     row.sites_total = len(records)
     row.sites_rewritten = sum(record.rewritten for record in records)
     row.refusals = dict(Counter(str(record.reason) for record in records if not record.rewritten))
     row.refusal_details = sorted({f"{record.reason}: {record.detail}" for record in records
                                   if not record.rewritten and record.detail})
+    row.other_softmaxes = sorted({softmax.why for softmax in records.other_softmaxes})
     row.max_abs_diff = _max_abs_diff(got, expected)
+    equal = _close(got, expected)
     if calls.sdpa > row.sites_total:
         row.note = f"{calls.sdpa} SDPA calls, {row.sites_total} sites recognised"
     elif row.sites_total == 0:
-        row.note = f"{calls.softmax} softmax calls in the uncompiled forward"
-    if not torch.allclose(got, expected, **TOLERANCE):
+        seen = f", {len(records.other_softmaxes)} seen as no attention" if records.other_softmaxes else ""
+        row.note = f"{calls.softmax} softmax calls in the uncompiled forward{seen}"
+    if not equal:
+        row.note, inductor_diff = _inductor_alone(model, inputs, expected)
+        # As close as plain Inductor gets (FlashAttention's rule: within twice its difference) is equal:
+        # Inductor's own fusions round differently from eager, the pass is not the cause.
+        equal = row.max_abs_diff <= 2 * inductor_diff
+    if not equal:
         row.status = Status.LOGITS_DIFFER
-        row.note = _inductor_alone(model, inputs, expected)
+    elif row.sites_total == 0 and calls.sdpa == 0 and len(records.other_softmaxes) >= calls.softmax:
+        row.status = Status.SOFTMAX_ONLY
     elif row.sites_total == 0:
         row.status = Status.NO_ATTENTION
     else:
@@ -145,17 +155,30 @@ def _max_abs_diff(got: torch.Tensor, expected: torch.Tensor) -> float:
     return difference.nan_to_num(nan=float("inf")).max().item() if got.numel() else 0.0
 
 
-def _inductor_alone(model, inputs: dict, expected: torch.Tensor) -> str:
-    """Whether plain Inductor gives the same difference or error (then the pass is not the cause)."""
+def _run_seeded(model, inputs: dict):
+    """One forward from the same random state, so that models that sample (VITS's durations, ViT-MAE's
+    masking) draw the same numbers in every run; the compiled runs draw them as eager does (fallback_random)."""
+    torch.manual_seed(SAMPLING_SEED)
+    with torch._inductor.config.patch(fallback_random=True):
+        return model(**inputs)
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    return got.shape == expected.shape and torch.allclose(got, expected, **TOLERANCE)
+
+
+def _inductor_alone(model, inputs: dict, expected: torch.Tensor) -> tuple[str, float]:
+    """(what plain Inductor gives, its max |diff| to eager: 0 where it matches, -1 where it raised)."""
     torch._dynamo.reset()
     try:
         with torch.no_grad():
-            got = first_float_output(torch.compile(model, backend="inductor")(**inputs))
+            got = first_float_output(_run_seeded(torch.compile(model, backend="inductor"), inputs))
     except Exception as error:
-        return f"plain Inductor raised {one_line(error)}"
-    if torch.allclose(got, expected, **TOLERANCE):
-        return "plain Inductor matches"
-    return f"plain Inductor differs too (max |diff| {_max_abs_diff(got, expected):.3g})"
+        return f"plain Inductor raised {one_line(error)}", -1.0
+    if _close(got, expected):
+        return "plain Inductor matches", 0.0
+    diff = _max_abs_diff(got, expected)
+    return f"plain Inductor differs too (max |diff| {diff:.3g})", diff
 
 
 def main(argv: list[str]) -> None:

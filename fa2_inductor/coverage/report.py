@@ -22,7 +22,8 @@ def summary_line(rows: list[Row]) -> str:
     share = f" ({100 * numbers['full'] / counted:.1f}%)" if counted else ""
     others = ", ".join(f"{counts[s.value]} {s.value.replace('_', ' ')}" for s in COUNTED if s is not Status.FULL)
     return (f"{numbers['full']} of {counted} families fully rewritten, logits equal to eager{share}; {others}; "
-            f"not counted: {counts[Status.BEYOND_OP.value]} beyond the op, {counts[Status.ATTENTION_FREE.value]} attention-free, "
+            f"not counted: {counts[Status.BEYOND_OP.value]} beyond the op, {counts[Status.SOFTMAX_ONLY.value]} softmax only, "
+            f"{counts[Status.ATTENTION_FREE.value]} attention-free, "
             f"{counts[Status.BUILD_FAILED.value]} could not be built, {counts[Status.NOT_SUPPORTED.value]} not supported")
 
 

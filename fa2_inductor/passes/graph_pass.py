@@ -17,10 +17,10 @@ from .. import _extension, config
 from ..reference import EmptyRows
 from . import report
 from .concat_keys import match_concatenated_keys
-from .fx_utils import erase_unused, forward_users, is_backward_node
+from .fx_utils import erase_unused, forward_users, is_backward_node, tensor_val
 from .inductor_guards import shield_attention_chains
 from .match_sdpa import is_sdpa, match_sdpa
-from .match_softmax import match_softmax_attention, softmax_at
+from .match_softmax import match_softmax_attention, not_over_scores, softmax_at
 from . import mask_structure
 from .refusals import Refusal
 from .rewrite import BackwardRegion, backward_region, forward_region, rewrite_site
@@ -30,8 +30,9 @@ from .support import backward_refusal_reason, refusal_reason
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def match_site(node: fx.Node) -> Optional[AttentionSite]:
-    """The attention site whose SDPA call or softmax is ``node``, if any."""
+def match_site(node: fx.Node, graph_kind: str) -> Optional[AttentionSite]:
+    """The attention site whose SDPA call or softmax is ``node``, if any; a softmax that is no attention
+    is reported as such."""
     if node.op != "call_function" or is_backward_node(node):
         return None
     if is_sdpa(node):
@@ -39,7 +40,12 @@ def match_site(node: fx.Node) -> Optional[AttentionSite]:
     softmax = softmax_at(node)
     if softmax is None:
         return None
-    return match_concatenated_keys(softmax) or match_softmax_attention(softmax)
+    site = match_concatenated_keys(softmax) or match_softmax_attention(softmax)
+    why_not = not_over_scores(softmax) if site is None else None
+    if why_not:
+        shape = list(tensor_val(softmax.input).shape)
+        report.record_other_softmax(f"softmax over dim {softmax.dim} of {shape}", why_not, graph_kind)
+    return site
 
 
 def _sequence_lengths(site: AttentionSite) -> tuple:
@@ -110,7 +116,7 @@ class AttentionPass(CustomGraphPass):
         found_site = False
         # Matched one at a time, in graph order: a site fed by an earlier one sees it already rewritten.
         for node in list(graph.nodes):
-            site = None if node._erased else match_site(node)
+            site = None if node._erased else match_site(node, graph_kind)
             if site is None:
                 continue
             backward = _decide(site)

@@ -284,7 +284,6 @@ def _transform_refusal(node: fx.Node) -> Refused:
 def _additive_mask(scores: _Scores, add: fx.Node) -> Optional[fx.Node]:
     """``s + mask``; ``add(s, mask, alpha=a)`` is ``s + a * mask``, ``add(mask, s, alpha=a)`` is ``a * s + mask``."""
     a, b = add.args
-    alpha = ops.arg(add, "alpha")
     a_scores, b_scores = _reaches_matmul(a), _reaches_matmul(b)
     if a_scores and b_scores:
         return _add_of_bias_from_products(scores, add)
@@ -858,7 +857,7 @@ def _first_columns(node: fx.Node, count, dim: int) -> bool:
     if node.target is not torch.ops.aten.slice.Tensor:
         return False
     args = list(node.args) + [None] * (5 - len(node.args))
-    slice_dim, start, end, step = args[1] or 0, args[2] or 0, args[3], args[4] or 1
+    slice_dim, start, step = args[1] or 0, args[2] or 0, args[4] or 1  # the end: the output's size says it
     rank = tensor_val(node.args[0]).dim()
     return slice_dim % rank == dim and start == 0 and step == 1 and same_size(tensor_val(node).shape[dim], count)
 
@@ -1003,14 +1002,37 @@ def scores_product(x: fx.Node) -> tuple[Optional[fx.Node], list]:
     return None, []
 
 
+def _keys_part(softmax: Softmax) -> tuple[Softmax, Optional[fx.Node]]:
+    """(the softmax over the keys' scores alone, the sink logits that join it or None)."""
+    with_sinks = _softmax_with_sinks(softmax)
+    return with_sinks if with_sinks is not None else (_without_row_max(softmax), None)
+
+
+def not_over_scores(softmax: Softmax) -> Optional[str]:
+    """Why a used softmax is no attention of any kind: no product of two tensors computes its input (a
+    router, a classifier, pooling weights from a linear layer or a convolution). None for every other."""
+    softmax = _keys_part(softmax)[0]
+    if scores_product(softmax.input)[0] is not None or not forward_users(softmax.output):
+        return None
+    nearest = [n for n in _ancestors(softmax.input, _SCORES_SEARCH_NODES)
+               if is_op(n, *_LINEAR_OPS, torch.ops.aten.convolution)]
+    made_by = f" (it comes from {nearest[0].target})" if nearest else ""
+    return "its input is computed by no product of two tensors" + made_by
+
+
+def _ancestors(x: fx.Node, limit: int) -> list:
+    seen, frontier = [], [x]
+    while frontier and len(seen) < limit:
+        node = frontier.pop(0)
+        if isinstance(node, fx.Node) and node.op == "call_function" and node not in seen:
+            seen.append(node)
+            frontier.extend(node.all_input_nodes)
+    return seen
+
+
 def match_softmax_attention(softmax: Softmax) -> Optional[AttentionSite]:
     """An AttentionSite (possibly refused) for a softmax over scores; None for any other softmax."""
-    sinks = None
-    with_sinks = _softmax_with_sinks(softmax)
-    if with_sinks is not None:  # from here on the softmax is the keys' part of it, over the scores alone
-        softmax, sinks = with_sinks
-    else:
-        softmax = _without_row_max(softmax)
+    softmax, sinks = _keys_part(softmax)
     product, unknown_ops = scores_product(softmax.input)
     probs = _walk_down_probs(softmax)
     if product is None or probs is None:

@@ -29,12 +29,32 @@ class SiteRecord:
         return f"[{self.graph_kind}] {self.description}: {verdict}{detail}"
 
 
-_collectors: list[list[SiteRecord]] = []
+@dataclass
+class OtherSoftmax:
+    """A softmax the pass saw that is no attention (so no site), and why."""
+
+    description: str
+    why: str
+    graph_kind: str
+
+    def __str__(self) -> str:
+        return f"[{self.graph_kind}] {self.description}: {self.why}"
+
+
+class Records(list):
+    """The sites decided while collecting (the list), and the softmaxes that were no attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.other_softmaxes: list[OtherSoftmax] = []
+
+
+_collectors: list[Records] = []
 
 
 @contextlib.contextmanager
-def collecting() -> Iterator[list[SiteRecord]]:
-    records: list[SiteRecord] = []
+def collecting() -> Iterator[Records]:
+    records = Records()
     _collectors.append(records)
     try:
         yield records
@@ -66,3 +86,9 @@ def record(site: AttentionSite, graph_kind: str) -> None:
         counters[COUNTER_GROUP]["refused:" + site.refusal.value] += 1
     for records in _collectors:
         records.append(SiteRecord(site.describe(), site.refusal is None, site.refusal, site.detail, graph_kind))
+
+
+def record_other_softmax(description: str, why: str, graph_kind: str) -> None:
+    """Only for explain's report: such softmaxes are not counted (a model may have many, routers say)."""
+    for records in _collectors:
+        records.other_softmaxes.append(OtherSoftmax(description, why, graph_kind))
