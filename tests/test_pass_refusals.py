@@ -79,6 +79,12 @@ def test_refused_and_counted(cpu_pass, reason, train):
     assert pass_counts() == {f"refused:{reason}": 1}
 
 
+def test_probabilities_read_elsewhere_name_their_readers(cpu_pass):
+    (site,) = fa2_inductor.explain(_returns_weights, *qkv()).sites
+    assert site.reason == "probs_used_elsewhere" and site.detail.startswith("read by "), site
+    assert "the graph's output" in site.detail, site
+
+
 # --- op arguments that change the math (each once rewritten into a wrong answer; alpha: test_pass_variants) --
 def _floor_divided_scores(q, k, v):
     return (q @ k.transpose(-2, -1)).div(4.0, rounding_mode="floor").softmax(-1) @ v

@@ -753,7 +753,8 @@ def _walk_down_probs(softmax: Softmax) -> Optional[_Probs]:
         if len(users) != 1:
             if not users:
                 return None if node is softmax.output else _unrecognised_probs(f"{node.target} has no user")
-            return _Probs(refused=Refused(Refusal.PROBS_USED_ELSEWHERE))
+            readers = sorted({"the graph's output" if u.op == "output" else str(u.target) for u in users})
+            return _Probs(refused=Refused(Refusal.PROBS_USED_ELSEWHERE, "read by " + ", ".join(readers)))
         user = users[0]
         if is_batched_product(user):
             probs.bmm = user
