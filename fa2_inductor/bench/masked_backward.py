@@ -4,7 +4,8 @@ One shape family (bf16, head dim 128, batch·seqlen = --tokens, heads·128 = --h
 ``SEQLENS`` (or --seqlens). Four masks, each in the forms our op takes and as a Flex block mask: causal
 (a bool [1,1,S,S] tensor, and is_causal), a sliding window of ``WINDOW`` keys (window_left, and a bool
 [1,1,S,S] tensor), padding (a key mask [B,1,1,S] with seeded per-sequence lengths) and padding with causal
-(the key mask and is_causal). Every call is timed as its forward then one ``out.backward(grad)`` (median);
+(the key mask and is_causal). Every call is timed as its forward then one ``out.backward(grad)`` (median;
+a mask's implementations timed in turns, so that clock drift reaches them alike);
 its gradients are first checked against SDPA's with the same mask as a dense bool tensor, and a mismatch
 is WRONG and not timed. FLOPs count the visible (query, key) pairs only: forward 4·B·H·pairs·D, backward
 2.5x that. Flex is ``flex_attention`` compiled once, with its block mask built before timing; where Flex
@@ -31,7 +32,7 @@ from .backward import MODES, gradients_close
 from .cases import tflops
 from .measure import describe_exception
 from .report import environment, environment_line, write_json
-from .timing import keep_busy, time_calls
+from .timing import keep_busy, time_in_turns
 
 DTYPE, HEAD_DIM = torch.bfloat16, 128
 SEQLENS = [2048, 8192]
@@ -148,53 +149,61 @@ class _Runner:
 
         return call
 
-    def measure(self, forward: Callable[[], Tensor], reference, flops: float) -> dict:
-        """Checks one implementation's gradients against ``reference``, then times it (raises as it fails)."""
+    def checked(self, forward: Callable[[], Tensor], reference) -> tuple[Optional[Callable[[], None]], dict]:
+        """(the step to time, its row so far) when its gradients agree with ``reference``, else (None, its
+        WRONG row); raises as the implementation fails."""
         call = self.step(forward)
         call()
         error, ok = gradients_close((self.q.grad, self.k.grad, self.v.grad), reference, DTYPE)
-        if not ok:
-            return {"status": "WRONG", "max_abs_error": error}
-        keep_busy(call, self.device)  # a compile (Flex's) leaves the GPU clocked down
-        times = time_calls(call, [()], self.device, warmup=self.args.warmup, reps=self.args.reps)
-        ms = statistics.median(times)
-        return {"status": "ok", "ms": ms, "tflops": tflops(flops, ms), "max_abs_error": error}
+        return (call, {"max_abs_error": error}) if ok else (None, {"status": "WRONG", "max_abs_error": error})
 
-    def ours(self, form: Form, reference, flops: float) -> dict:
+    def ours(self, form: Form, reference) -> tuple[Optional[Callable[[], None]], dict]:
         q, k, v = self.q, self.k, self.v
         gap = _kernel_gap(q, k, v, form)
         if gap is not None:
-            return {"status": "n/a", "reason": f"our kernels do not cover this form ({gap})"}
+            return None, {"status": "n/a", "reason": f"our kernels do not cover this form ({gap})"}
         try:
-            return self.measure(lambda: flash_attention(q, k, v, attn_mask=form.attn_mask, scale=self.scale,
+            return self.checked(lambda: flash_attention(q, k, v, attn_mask=form.attn_mask, scale=self.scale,
                                                         is_causal=form.is_causal, window_left=form.window_left),
-                                reference, flops)
+                                reference)
         except Exception as exc:  # recorded, so the run goes on and the JSON says what broke
-            return {"status": "error", "reason": describe_exception(exc)}
+            return None, {"status": "error", "reason": describe_exception(exc)}
 
-    def flex_attention(self, case: MaskCase, reference, flops: float) -> dict:
+    def flex_attention(self, case: MaskCase, reference) -> tuple[Optional[Callable[[], None]], dict]:
         from torch.nn.attention.flex_attention import create_block_mask
 
         q, k, v = self.q, self.k, self.v
         try:
             block_mask = create_block_mask(case.mask_mod, case.flex_batch, None, q.shape[2], k.shape[2],
                                            device=q.device)
-            return self.measure(lambda: self.flex(q, k, v, block_mask=block_mask, scale=self.scale), reference,
-                                flops)
+            return self.checked(lambda: self.flex(q, k, v, block_mask=block_mask, scale=self.scale), reference)
         except Exception as exc:  # e.g. no Flex backward on the CPU: the column is left out, the rows go on
-            return {"status": "n/a", "reason": describe_exception(exc)}
+            return None, {"status": "n/a", "reason": describe_exception(exc)}
+
+    def timed(self, calls: dict, rows: dict, flops: float) -> None:
+        """Times the checked calls in turns (``time_in_turns``) and completes their rows."""
+        keep_busy(lambda: [call() for call in calls.values()], self.device)  # Flex's compile clocked the GPU down
+        times = time_in_turns(calls, [()], self.device, warmup=self.args.warmup, reps=self.args.reps)
+        for name, result in times.items():
+            if isinstance(result, Exception):
+                rows[name].update(status="error", reason=describe_exception(result))
+            else:
+                ms = statistics.median(result)
+                rows[name].update(status="ok", ms=ms, tflops=tflops(flops, ms))
 
     def record(self, case: MaskCase, batch: int, seqlen: int) -> dict:
         visible = int(case.dense.expand(batch, 1, seqlen, seqlen).sum())
         flops = MODES["fwd+bwd"] * 4.0 * self.heads * visible * HEAD_DIM  # visible counts every sequence's pairs
         reference = self.reference_gradients(case.dense)
-        measurements = [{"impl": "fa2_inductor", "form": form.name, **self.ours(form, reference, flops)}
-                        for form in case.forms]
-        flex = self.flex_attention(case, reference, flops)
+        checked = {("fa2_inductor", form.name): self.ours(form, reference) for form in case.forms}
+        checked[(FLEX, "block mask")] = self.flex_attention(case, reference)
+        rows = {key: row for key, (_, row) in checked.items()}
+        self.timed({key: call for key, (call, _) in checked.items() if call is not None}, rows, flops)
+        flex = rows[(FLEX, "block mask")]
+        measurements = [{"impl": impl, "form": form, **row} for (impl, form), row in rows.items()]
         for m in measurements:
-            if m["status"] == "ok" and flex["status"] == "ok":
+            if m["impl"] != FLEX and m["status"] == "ok" and flex["status"] == "ok":
                 m["speedup_vs_flex"] = flex["ms"] / m["ms"]
-        measurements.append({"impl": FLEX, "form": "block mask", **flex})
         record = {"mask": case.name, "seqlen": seqlen, "batch": batch, "heads": self.heads, "head_dim": HEAD_DIM,
                   "visible_pairs": visible, "visible_share": visible / (batch * seqlen * seqlen), "flops": flops,
                   "measurements": measurements}
@@ -226,7 +235,7 @@ def masked_backward_rows(args: argparse.Namespace) -> int:
     print(environment_line(env))
     runner = _Runner(args, device, torch.compile(flex_attention, dynamic=False))
     print(f"masked training: bf16, D={HEAD_DIM}, heads={runner.heads}, batch·seqlen={args.tokens}; forward + "
-          f"backward, median of {args.reps} after {args.warmup} warm-up calls; TFLOP/s over the visible pairs "
+          f"backward, median of {args.reps} after {args.warmup} warm-up calls, timed in turns; TFLOP/s over the visible pairs "
           f"({MODES['fwd+bwd']} x 4·B·H·pairs·D); xN = Flex's time over ours (above 1: ours faster)")
     print(f"{'mask':<22}{'seqlen':>7}{'batch':>6}{'visible':>9}  {'implementation':<45}{'ms':>10}{'TFLOP/s':>10}"
           f"{'vs flex':>10}")
