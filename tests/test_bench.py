@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -212,6 +213,30 @@ def test_a_call_that_fails_while_timed_leaves_the_turns_with_its_error():
     times = bench.time_in_turns({"flaky": flaky, "ok": lambda arg: None}, [("x",)], torch.device("cpu"), warmup=1, reps=4)
     assert isinstance(times["flaky"], torch.cuda.OutOfMemoryError) and len(seen) == 3
     assert len(times["ok"]) == 4
+
+
+def test_a_backward_cell_checks_then_times_each_mode_in_turns(monkeypatch):
+    """The backward sweep's cell on the CPU with stand-in implementations: a right one is timed in both modes,
+    a wrong one is WRONG and untimed, one that does not run the cell is n/a; rows keep the --impls order."""
+    from fa2_inductor.bench import backward
+
+    def sdpa(q, k, v, causal, scale):
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+    def unavailable(q, k, v, causal, scale):
+        raise backward.NotAvailable("not this cell")
+
+    forwards = {"right": sdpa, "wrong": lambda *a: (lambda f=sdpa(*a): lambda: 2 * f())(), "n/a": unavailable}
+    monkeypatch.setattr(backward, "FORWARDS", forwards)
+    args = argparse.Namespace(impls=["n/a", "wrong", "right"], seed=0, warmup=1, reps=3)
+    cell = bench.Cell("bf16", True, 16, 32, 1, 2)
+    record = backward.measure_cell(cell, torch.device("cpu"), args)
+    for mode in backward.MODES:
+        rows = record["modes"][mode]
+        assert list(rows) == ["n/a", "wrong", "right"]
+        assert rows["n/a"] == {"status": "n/a", "reason": "not this cell"}
+        assert rows["wrong"]["status"] == "WRONG" and "ms" not in rows["wrong"]
+        assert rows["right"]["status"] == "ok" and rows["right"]["tflops"] > 0 and rows["right"]["max_abs_error"] < 0.05
 
 
 def test_input_sets_outgrow_the_cache():

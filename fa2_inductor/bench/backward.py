@@ -25,6 +25,7 @@ from .cases import CAUSAL_CHOICES, DTYPES, Cell, attention_flops, sweep_cells, t
 from .measure import describe_exception
 from .plot import draw_plot
 from .report import environment, environment_line, write_json
+from .timing import time_in_turns
 
 MODES = {"fwd+bwd": 3.5, "bwd": 2.5}  # FLOPs as multiples of the forward's
 IMPLS = ("fa2_inductor", "sdpa_flash", "sdpa_cudnn")
@@ -80,18 +81,12 @@ def gradients_close(got, want, dtype) -> tuple[float, bool]:
     return worst, ok
 
 
-def _median_ms(fn: Callable, warmup: int, reps: int) -> float:
-    from .timing import time_cuda
-
-    return statistics.median(time_cuda(fn, warmup=warmup, reps=reps))
-
-
 def measure_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> dict:
-    """One cell: every implementation's fwd+bwd and bwd TFLOP/s (or n/a / WRONG / error with a reason)."""
+    """One cell: every implementation's fwd+bwd and bwd TFLOP/s (or n/a / WRONG / error with a reason). The
+    implementations whose gradients agree are timed in turns, one mode after the other (``time_in_turns``)."""
     q, k, v, g = _inputs(cell, device, args.seed)
     scale = cell.head_dim ** -0.5
     inputs = (q, k, v)
-    reference = None
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=cell.causal, scale=scale)
         reference = torch.autograd.grad(out, inputs, g)
@@ -99,32 +94,43 @@ def measure_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> 
     forward_flops = attention_flops(cell.batch, cell.heads, cell.seqlen, cell.seqlen, cell.head_dim, cell.causal)
     record = {"dtype": cell.dtype, "causal": cell.causal, "head_dim": cell.head_dim, "seqlen": cell.seqlen,
               "batch": cell.batch, "heads": cell.heads, "modes": {mode: {} for mode in MODES}}
+    checked = {}  # name -> (forward, its output with the graph retained, max abs error)
     for name in args.impls:
         try:
             forward = FORWARDS[name](q, k, v, cell.causal, scale)
             out = forward()
-            grads = torch.autograd.grad(out, inputs, g, retain_graph=True)
-            error, ok = gradients_close(grads, reference, DTYPES[cell.dtype])
-            if not ok:
-                for mode in MODES:
-                    record["modes"][mode][name] = {"status": "WRONG", "max_abs_error": error}
-                continue
-            calls = {
-                "fwd+bwd": lambda: torch.autograd.grad(forward(), inputs, g),
-                "bwd": lambda: torch.autograd.grad(out, inputs, g, retain_graph=True),
-            }
-            for mode, factor in MODES.items():
-                ms = _median_ms(calls[mode], args.warmup, args.reps)
-                record["modes"][mode][name] = {"status": "ok", "ms": ms, "tflops": tflops(factor * forward_flops, ms),
-                                               "max_abs_error": error}
-            del out, grads
+            error, ok = gradients_close(torch.autograd.grad(out, inputs, g, retain_graph=True), reference,
+                                        DTYPES[cell.dtype])
         except NotAvailable as exc:
-            for mode in MODES:
-                record["modes"][mode][name] = {"status": "n/a", "reason": str(exc)}
+            _set_every_mode(record, name, {"status": "n/a", "reason": str(exc)})
         except Exception as exc:  # a backend refusing the cell (cuDNN at head dim 256), out of memory, ...
-            for mode in MODES:
-                record["modes"][mode][name] = {"status": "error", "reason": describe_exception(exc)}
+            _set_every_mode(record, name, {"status": "error", "reason": describe_exception(exc)})
+        else:
+            if ok:
+                checked[name] = (forward, out, error)
+            else:
+                _set_every_mode(record, name, {"status": "WRONG", "max_abs_error": error})
+    steps = {
+        "fwd+bwd": lambda forward, out: lambda: torch.autograd.grad(forward(), inputs, g),
+        "bwd": lambda forward, out: lambda: torch.autograd.grad(out, inputs, g, retain_graph=True),
+    }
+    for mode, factor in MODES.items():
+        calls = {name: steps[mode](forward, out) for name, (forward, out, _) in checked.items()}
+        for name, times in time_in_turns(calls, [()], device, warmup=args.warmup, reps=args.reps).items():
+            error = checked[name][2]
+            if isinstance(times, Exception):
+                record["modes"][mode][name] = {"status": "error", "reason": describe_exception(times)}
+                continue
+            ms = statistics.median(times)
+            record["modes"][mode][name] = {"status": "ok", "ms": ms, "tflops": tflops(factor * forward_flops, ms),
+                                           "max_abs_error": error}
+    record["modes"] = {mode: {name: rows[name] for name in args.impls} for mode, rows in record["modes"].items()}
     return record
+
+
+def _set_every_mode(record: dict, name: str, row: dict) -> None:
+    for mode in MODES:
+        record["modes"][mode][name] = dict(row)
 
 
 def _row_text(record: dict, mode: str, impls) -> str:
@@ -169,7 +175,7 @@ def backward_rows(args: argparse.Namespace) -> int:
     env = environment(device)
     print(environment_line(env))
     print(f"backward sweep: {len(cells)} cells x {len(impls)} implementations x {list(MODES)}; "
-          f"median of {args.reps} (TFLOP/s: backward = 2.5x, fwd+bwd = 3.5x the forward's FLOPs)")
+          f"median of {args.reps}, timed in turns (TFLOP/s: backward = 2.5x, fwd+bwd = 3.5x the forward's FLOPs)")
     records, group, notes = [], None, set()
     for cell in cells:
         record = measure_cell(cell, device, args)
