@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .measure import describe_exception
 from .report import environment, environment_line, write_json
-from .timing import input_set_count, time_cuda
+from .timing import input_set_count, time_in_turns
 
 CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 BATCHES = (1, 8, 32)
@@ -100,7 +101,7 @@ def decode_rows(args: argparse.Namespace) -> int:
                 sets = [_inputs(batch, slots, context, form == "static", device, g)
                         for _ in range(input_set_count(set_bytes, L2_BYTES, max_sets=4))]
                 expected = _expected(*sets[0])
-                us = {}
+                checked = {}
                 for name, forms in impls.items():
                     fn, got = _first_that_runs(forms, sets[0])  # chosen once per cell, not per timed call
                     if fn is None:
@@ -109,7 +110,14 @@ def decode_rows(args: argparse.Namespace) -> int:
                         print(f"{form} ctx={context} B={batch} {name}: WRONG against the math backend")
                         failed |= name == "fa2_inductor"
                         continue
-                    us[name] = 1e3 * statistics.median(time_cuda(fn, sets, warmup=warmup, reps=reps))
+                    checked[name] = fn
+                us = {}
+                for name, times in time_in_turns(checked, sets, device, warmup=warmup, reps=reps).items():
+                    if isinstance(times, Exception):
+                        print(f"{form} ctx={context} B={batch} {name}: {describe_exception(times)}")
+                        failed |= name == "fa2_inductor"
+                    else:
+                        us[name] = 1e3 * statistics.median(times)
                 peers = {name: t for name, t in us.items() if name != "fa2_inductor"}
                 best = min(peers, key=peers.get) if peers else None
                 read_bytes = 2 * batch * HEADS_KV * context * HEAD_DIM * DTYPE.itemsize
@@ -123,7 +131,7 @@ def decode_rows(args: argparse.Namespace) -> int:
                 gbps = f"{record['ours_gbps']:.0f}" if record["ours_gbps"] else "-"
                 print(f"{form:<8}{context:>6}{batch:>4}{cells}   {ratio:<18}{gbps:>8}")
                 write_json(args.json, {"environment": env, "decode_rows": records})
-    print(f"(microseconds per call, median of {reps}; Hq/Hkv {HEADS_Q}/{HEADS_KV}, d{HEAD_DIM}, bf16, Sq 1; "
+    print(f"(microseconds per call, median of {reps}, timed in turns; Hq/Hkv {HEADS_Q}/{HEADS_KV}, d{HEAD_DIM}, bf16, Sq 1; "
           f"static: {STATIC_CACHE_LEN}-slot cache with a bool mask; GB/s: filled K/V bytes over our time)")
     print(f"JSON: {args.json}")
     return 1 if failed else 0
