@@ -239,6 +239,21 @@ def test_a_backward_cell_checks_then_times_each_mode_in_turns(monkeypatch):
         assert rows["right"]["status"] == "ok" and rows["right"]["tflops"] > 0 and rows["right"]["max_abs_error"] < 0.05
 
 
+def test_mask_rows_time_ours_and_the_comparison_in_turns():
+    from fa2_inductor.bench import masks
+
+    rows = masks._MaskRows(argparse.Namespace(seed=0, tokens=64, hidden=128, reps=3, warmup=1), torch.device("cpu"))
+    log = []
+    ours_ms, other_ms = rows.pair(lambda: log.append("ours"), lambda: log.append("other"))
+    assert ours_ms >= 0 and other_ms >= 0 and log.count("ours") == log.count("other") == 1 + rows.warmup + rows.reps
+
+    def fails():
+        raise RuntimeError("no kernel")
+
+    with pytest.raises(RuntimeError, match="no kernel"):
+        rows.pair(fails, lambda: None)
+
+
 def test_input_sets_outgrow_the_cache():
     assert bench.input_set_count(set_bytes=200 << 20, cache_bytes=50 << 20) == 2
     assert bench.input_set_count(set_bytes=10 << 20, cache_bytes=50 << 20) == 8

@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .. import _cuda
 from .measure import describe_exception
 from .report import environment, environment_line, write_json
-from .timing import time_cuda
+from .timing import time_in_turns
 
 DTYPE, HEAD_DIM = torch.bfloat16, 128
 SEQLENS = (2048, 4096, 8192)
@@ -52,23 +52,33 @@ class _MaskRows:
         self.records: list[dict] = []
         self.failed = False
 
-    def med(self, fn: Callable) -> float:
-        return statistics.median(time_cuda(fn, warmup=self.warmup, reps=self.reps))
+    def pair(self, ours: Callable, other: Callable) -> tuple[float, float]:
+        """Median ms of our call and its comparison, timed in turns (``time_in_turns``); raises as one fails."""
+        times = time_in_turns({"ours": ours, "other": other}, [()], self.device, warmup=self.warmup, reps=self.reps)
+        for result in times.values():
+            if isinstance(result, Exception):
+                raise result
+        return statistics.median(times["ours"]), statistics.median(times["other"])
 
-    def sdpa_best(self, q, k, v, mask, scale) -> tuple[str, float]:
-        best = ("none", float("nan"))
+    def against_best_sdpa(self, ours: Callable, q, k, v, mask, scale) -> tuple[float, str, float]:
+        """(our median ms, the fastest SDPA backend that takes the mask, its median ms), timed in turns."""
+        calls = {}
         for name, backend in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
             def call(backend=backend):
                 with sdpa_kernel([backend]):
                     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
             try:
                 call()
-                ms = self.med(call)
             except Exception:  # the backend refuses this mask / shape
                 continue
-            if not (best[1] <= ms):
-                best = (name, ms)
-        return best
+            calls[name] = call
+        times = time_in_turns({"ours": ours, **calls}, [()], self.device, warmup=self.warmup, reps=self.reps)
+        if isinstance(times["ours"], Exception):
+            raise times["ours"]
+        sdpa = {name: statistics.median(t) for name, t in times.items()
+                if name != "ours" and not isinstance(t, Exception)}
+        best = min(sdpa, key=sdpa.get) if sdpa else "none"
+        return statistics.median(times["ours"]), best, sdpa.get(best, float("nan"))
 
     def inputs(self, seqlen_q: int, seqlen_k: int, batch: int):
         g = torch.Generator(device=self.device).manual_seed(self.seed)
@@ -114,52 +124,48 @@ class _MaskRows:
 
     def at_seqlen(self, seqlen: int) -> None:
         """Every row of one seqlen; its tensors are freed on return, before the next seqlen allocates."""
-        op, med, check, row = self.op, self.med, self.check, self.row
+        op, pair, check, row = self.op, self.pair, self.check, self.row
         batch = max(1, self.tokens // seqlen)
         scale = HEAD_DIM ** -0.5
         q, k, v = self.inputs(seqlen, seqlen, batch)
         i = torch.arange(seqlen, device=self.device)
         causal = (i[None, :] <= i[:, None])[None, None]
         if check(f"causal bool {seqlen}", q, k, v, causal, scale):
-            t_mask = med(lambda: op(q, k, v, causal, scale, False))
-            t_causal = med(lambda: op(q, k, v, None, scale, True))
+            t_mask, t_causal = pair(lambda: op(q, k, v, causal, scale, False), lambda: op(q, k, v, None, scale, True))
             row(f"causal as bool [1,1,S,S] S={seqlen}", t_mask, "ours is_causal=True", t_causal,
                 "(target: ours within 10%, i.e. x >= 0.91)", seqlen=seqlen, batch=batch)
             self.split_prepass(lambda: op(q, k, v, causal, scale, False))
         hf = torch.where(causal, 0.0, torch.finfo(torch.float32).min).to(torch.float32).expand(batch, 1, seqlen, seqlen)
         if check(f"hf additive {seqlen}", q, k, v, hf, scale):
-            t_mask = med(lambda: op(q, k, v, hf, scale, False))
-            t_causal = med(lambda: op(q, k, v, None, scale, True))
+            t_mask, t_causal = pair(lambda: op(q, k, v, hf, scale, False), lambda: op(q, k, v, None, scale, True))
             row(f"HF causal float32 finfo.min [B,1,S,S] S={seqlen}", t_mask, "ours is_causal=True", t_causal,
                 seqlen=seqlen, batch=batch)
         # padding: half the keys of every sequence visible vs no mask over exactly those keys
         visible = seqlen // 2
         pad = (i < visible)[None, None, None, :].expand(batch, 1, 1, seqlen)
         if check(f"padding {seqlen}", q, k, v, pad, scale):
-            t_mask = med(lambda: op(q, k, v, pad, scale, False))
             kk, vv = k[:, :, :visible].contiguous(), v[:, :, :visible].contiguous()
-            t_plain = med(lambda: op(q, kk, vv, None, scale, False))
+            t_mask, t_plain = pair(lambda: op(q, k, v, pad, scale, False), lambda: op(q, kk, vv, None, scale, False))
             row(f"padding [B,1,1,S] S={seqlen} ({visible} visible)", t_mask, f"ours no mask Sk={visible}", t_plain,
                 "(target: x >= 0.91)", seqlen=seqlen, batch=batch)
             self.split_prepass(lambda: op(q, k, v, pad, scale, False))
         sliding = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 1024))[None, None]
         if seqlen == WINDOW_SEQLEN and check(f"sliding {seqlen}", q, k, v, sliding, scale):
-            t_mask = med(lambda: op(q, k, v, sliding, scale, False))
-            name, t_sdpa = self.sdpa_best(q, k, v, sliding, scale)
+            t_mask, name, t_sdpa = self.against_best_sdpa(lambda: op(q, k, v, sliding, scale, False), q, k, v, sliding,
+                                                          scale)
             row(f"sliding window 1k bool [1,1,S,S] S={seqlen}", t_mask, f"sdpa {name} same mask", t_sdpa,
                 "(target: x > 1)", seqlen=seqlen, batch=batch)
             bias = (-(i[:, None] - i[None, :]).abs().float() * 0.01)[None, None].expand(1, self.heads, seqlen, seqlen)
             bias = bias.to(DTYPE).contiguous()
             if check(f"t5 bias {seqlen}", q, k, v, bias, scale):
-                t_mask = med(lambda: op(q, k, v, bias, scale, False))
-                name, t_sdpa = self.sdpa_best(q, k, v, bias, scale)
+                t_mask, name, t_sdpa = self.against_best_sdpa(lambda: op(q, k, v, bias, scale, False), q, k, v, bias,
+                                                              scale)
                 row(f"T5-like bias bf16 [1,H,S,S] S={seqlen} (all partial)", t_mask, f"sdpa {name} same mask",
                     t_sdpa, seqlen=seqlen, batch=batch)
             rnd = torch.rand(batch, 1, seqlen, seqlen, device=self.device) < 0.5
             rnd[..., 0] = True
             if check(f"random {seqlen}", q, k, v, rnd, scale):
-                t_mask = med(lambda: op(q, k, v, rnd, scale, False))
-                t_plain = med(lambda: op(q, k, v, None, scale, False))
+                t_mask, t_plain = pair(lambda: op(q, k, v, rnd, scale, False), lambda: op(q, k, v, None, scale, False))
                 row(f"random bool [B,1,S,S] S={seqlen} (worst case)", t_mask, "ours no mask", t_plain,
                     seqlen=seqlen, batch=batch)
 
@@ -167,7 +173,7 @@ class _MaskRows:
 def mask_rows(args: argparse.Namespace) -> int:
     """Masked-kernel rows on one shape family (bf16, D=128, batch·seqlen = --tokens, heads·D = --hidden).
 
-    Each row times our op through ``flash_attention_fwd`` (CUDA events, median) next to its comparison,
+    Each row times our op through ``flash_attention_fwd`` (CUDA events, median) in turns with its comparison,
     after checking the output against SDPA. Exit status 1 when a check fails or the kernel refused a mask.
     """
     device = torch.device(args.device)
@@ -177,7 +183,8 @@ def mask_rows(args: argparse.Namespace) -> int:
     rows = _MaskRows(args, device)
     env = environment(device)
     print(environment_line(env))
-    print(f"mask rows: bf16, D={HEAD_DIM}, heads={rows.heads}, batch*seqlen={args.tokens}; median of {rows.reps}")
+    print(f"mask rows: bf16, D={HEAD_DIM}, heads={rows.heads}, batch*seqlen={args.tokens}; median of {rows.reps}, "
+          "timed in turns")
     for seqlen in SEQLENS:
         rows.at_seqlen(seqlen)
     write_json(args.json, {"environment": env, "mask_rows": rows.records})

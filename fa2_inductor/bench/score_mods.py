@@ -14,7 +14,7 @@ import torch
 
 from .. import reference
 from .report import environment, environment_line, write_json
-from .timing import time_cuda
+from .timing import time_in_turns
 
 SOFTCAP = 50.0
 SEQLENS = (2048, 8192)
@@ -74,7 +74,11 @@ def score_mod_rows(args: argparse.Namespace) -> int:
                 if not _close(got, expected):
                     print(f"d={d} s={seqlen} {name}: WRONG against the reference")
                     failed = True
-            ms = {name: statistics.median(time_cuda(fn, warmup=warmup, reps=reps)) for name, fn in calls.items()}
+            timed = time_in_turns(calls, [()], device, warmup=warmup, reps=reps)
+            for result in timed.values():
+                if isinstance(result, Exception):
+                    raise result
+            ms = {name: statistics.median(times) for name, times in timed.items()}
             flops = 4 * batch * heads * seqlen * seqlen * d / 2
             record = {"head_dim": d, "seqlen": seqlen, "batch": batch, "heads": heads, "ms": ms,
                       "tflops": {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items()},
