@@ -88,8 +88,9 @@ class Result:
     seqlen: int
     median_ms: Optional[float] = None
     rewrites: int = 0
+    # Counted over the first (checked) call of the phase, which every timed call repeats:
     reference_fallbacks: int = 0  # op calls that ran the slow reference on the GPU (should be 0)
-    backward_fallbacks: int = 0  # op backward calls that did not run our backward kernel (counted per call)
+    backward_fallbacks: int = 0  # op backward calls that did not run our backward kernel
     counters: dict = field(default_factory=dict)  # every fa2_inductor counter (rewrite forms, refusals, fallbacks)
     max_abs_diff: Optional[float] = None  # max|Δlogits|
     tokens_differing: Optional[int] = None  # generate: new tokens unlike uncompiled SDPA's
@@ -206,9 +207,10 @@ class TrainingStep:
 
 
 def _record_counters(result: Result) -> None:
-    """Every fa2_inductor counter of the variant's run, and how many op calls fell back (to the reference;
-    in the backward, away from our kernel)."""
+    """Every fa2_inductor counter so far, the sites rewritten and how many op calls fell back (to the
+    reference; in the backward, away from our kernel)."""
     result.counters = dict(counters["fa2_inductor"])
+    result.rewrites = result.counters.get("rewrites", 0)
     result.reference_fallbacks = sum(n for key, n in result.counters.items() if key.startswith("reference_fallback:"))
     result.backward_fallbacks = sum(n for key, n in result.counters.items() if key.startswith("backward_fallback:"))
 
@@ -276,7 +278,6 @@ def run_generations(variants: list[Variant], workload: Generation, shape: dict, 
             try:
                 model = build_model(shape, variant.attn_implementation, dtype, device, workload.seqlen + GENERATED_TOKENS)
                 tokens = workload.tokens(model, variant.backend, GENERATED_TOKENS)  # compiles the decode step
-                result.rewrites = counters["fa2_inductor"]["rewrites"]
                 result.tokens_differing = int((tokens != workload.reference).sum())
                 _record_counters(result)
                 ready.append((variant, result, model, []))
@@ -309,7 +310,7 @@ def _measure_variant(variant: Variant, workload, result: Result, shape: dict, dt
     forward = model if variant.backend is None else torch.compile(model, backend=variant.backend, dynamic=False)
     with torch.set_grad_enabled(workload.training):
         output = workload(forward)  # compiles, and gives the output to check
-        result.rewrites = counters["fa2_inductor"]["rewrites"]
+        _record_counters(result)  # of this one call: the timed calls repeat it
         workload.check(result, output, model)
         del output
         keep_busy(lambda: workload(forward), device)  # after the compile: GPU clocks back up
@@ -324,7 +325,6 @@ def run(variant: Variant, workload, shape: dict, dtype, device, args) -> Result:
     counters.clear()
     try:
         _measure_variant(variant, workload, result, shape, dtype, device, args)
-        _record_counters(result)
     except Exception as exc:  # one failing variant (e.g. out of memory) must not lose the others
         result.error = _error_line(exc)
     _release_memory(device)
