@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 @dataclass
 class AttentionReport:
     sites: list  # passes.report.SiteRecord, in compile order
-    other_softmaxes: list = field(default_factory=list)  # passes.report.OtherSoftmax: softmaxes that are no attention
+    other_softmaxes: list = field(default_factory=list)  # passes.report.OtherSoftmax: softmaxes over no q·kᵀ scores
 
     @property
     def rewritten(self) -> list:
@@ -25,7 +25,7 @@ class AttentionReport:
         else:
             lines = ["fa2_inductor: no attention found"]
         if self.other_softmaxes:
-            lines.append(f"softmax calls that are no attention ({len(self.other_softmaxes)}):")
+            lines.append(f"softmax calls over no q·kᵀ scores ({len(self.other_softmaxes)}):")
             lines += [f"  - {softmax}" for softmax in self.other_softmaxes]
         return "\n".join(lines)
 

@@ -170,7 +170,7 @@ def test_explain_lists_softmax_calls_that_are_no_attention(cpu_pass):
     assert report.sites == [] and len(report.other_softmaxes) == 1
     assert str(report).splitlines() == [
         "fa2_inductor: no attention found",
-        "softmax calls that are no attention (1):",
+        "softmax calls over no q·kᵀ scores (1):",
         "  - [inference] softmax over dim 2 of [3, 10, 4]: its input is computed by no product of two tensors "
         "(it comes from aten.mm.default)"]
 

@@ -65,7 +65,7 @@ def test_a_model_whose_softmax_is_no_attention_is_not_counted():
     the pass sees every softmax and says so."""
     row, _ = run.run_family("mobilevitv2", ["eager", "sdpa"], timeout_s=600)
     assert row.status is Status.SOFTMAX_ONLY and row.sites_total == 0, row
-    assert row.why() == ("softmax but no attention: its input is computed by no product of two tensors "
+    assert row.why() == ("softmax over no q·kᵀ scores: its input is computed by no product of two tensors "
                          "(it comes from aten.convolution.default)")
     assert report.summary([row])["counted"] == 0
 

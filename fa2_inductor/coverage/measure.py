@@ -125,7 +125,7 @@ def _compile_and_compare(row: Row, model, inputs: dict, expected: torch.Tensor, 
     if calls.sdpa > row.sites_total:
         row.note = f"{calls.sdpa} SDPA calls, {row.sites_total} sites recognised"
     elif row.sites_total == 0:
-        seen = f", {len(records.other_softmaxes)} seen as no attention" if records.other_softmaxes else ""
+        seen = f", {len(records.other_softmaxes)} seen over no q·kᵀ scores" if records.other_softmaxes else ""
         row.note = f"{calls.softmax} softmax calls in the uncompiled forward{seen}"
     if not equal:
         row.note, inductor_diff = _inductor_alone(model, inputs, expected)

@@ -27,8 +27,8 @@ class Status(str, Enum):
     BEYOND_OP = ("beyond_op", "every refused site is a call the op's own input checks reject (e.g. a head dim above "
                  "256): attention the op cannot compute (not counted)", False)
     FULL = "full", "every recognised site rewritten, output equal to the uncompiled model's", False
-    SOFTMAX_ONLY = ("softmax_only", "the model's softmax calls are no attention: the pass saw each and found no product "
-                    "of two tensors computing its input (not counted)", False)
+    SOFTMAX_ONLY = ("softmax_only", "the model's softmax calls are over no q·kᵀ scores: the pass saw each and "
+                    "found no product of two tensors computing its input (not counted)", False)
     ATTENTION_FREE = "attention_free", "the model calls no softmax and no SDPA: nothing to rewrite (not counted)", False
     BUILD_FAILED = "build_failed", "the sweep could not make the model or its inputs (not counted)", False
     NOT_SUPPORTED = "not_supported", "the model class does not offer this attention implementation", False
@@ -53,7 +53,7 @@ class Row:
     sites_total: int = 0  # sites the pass recognised: rewritten + refused
     refusals: dict = field(default_factory=dict)  # reason -> count
     refusal_details: list = field(default_factory=list)  # "reason: detail", each once
-    other_softmaxes: list = field(default_factory=list)  # why each softmax the pass saw is no attention, each once
+    other_softmaxes: list = field(default_factory=list)  # why each softmax the pass saw is over no q·kᵀ scores, once each
     max_abs_diff: Optional[float] = None
     error: str = ""  # build or run failure, one line
     note: str = ""  # what else was seen (e.g. SDPA calls the pass did not recognise)
@@ -75,7 +75,7 @@ class Row:
         if self.status is Status.LOGITS_DIFFER:
             return f"max |diff| {self.max_abs_diff:.3g}" + (f"; {self.note}" if self.note else "")
         if self.status is Status.SOFTMAX_ONLY:
-            return "softmax but no attention: " + "; ".join(self.other_softmaxes)
+            return "softmax over no q·kᵀ scores: " + "; ".join(self.other_softmaxes)
         if self.status is Status.NO_ATTENTION:
             return "no attention found" + (f" ({self.note})" if self.note else "")
         if self.status is Status.TIMED_OUT:

@@ -31,7 +31,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def match_site(node: fx.Node, graph_kind: str) -> Optional[AttentionSite]:
-    """The attention site whose SDPA call or softmax is ``node``, if any; a softmax that is no attention
+    """The attention site whose SDPA call or softmax is ``node``, if any; a softmax over no q·kᵀ scores
     is reported as such."""
     if node.op != "call_function" or is_backward_node(node):
         return None

@@ -1010,7 +1010,7 @@ def _keys_part(softmax: Softmax) -> tuple[Softmax, Optional[fx.Node]]:
 
 
 def not_over_scores(softmax: Softmax) -> Optional[str]:
-    """Why a used softmax is no attention of any kind: no product of two tensors computes its input (a
+    """Why a used softmax is over no q·kᵀ scores: no product of two tensors computes its input (a
     router, a classifier, pooling weights from a linear layer or a convolution). None for every other."""
     softmax = _keys_part(softmax)[0]
     if scores_product(softmax.input)[0] is not None or not forward_users(softmax.output):

@@ -31,7 +31,7 @@ class SiteRecord:
 
 @dataclass
 class OtherSoftmax:
-    """A softmax the pass saw that is no attention (so no site), and why."""
+    """A softmax the pass saw over no q·kᵀ scores (so no site), and why."""
 
     description: str
     why: str
@@ -42,7 +42,7 @@ class OtherSoftmax:
 
 
 class Records(list):
-    """The sites decided while collecting (the list), and the softmaxes that were no attention."""
+    """The sites decided while collecting (the list), and the softmaxes over no q·kᵀ scores."""
 
     def __init__(self):
         super().__init__()
