@@ -1022,6 +1022,7 @@ def not_over_scores(softmax: Softmax) -> Optional[str]:
 
 
 def _ancestors(x: fx.Node, limit: int) -> list:
+    """The call nodes ``x`` is computed from (itself first), nearest first, at most ``limit``."""
     seen, frontier = [], [x]
     while frontier and len(seen) < limit:
         node = frontier.pop(0)
