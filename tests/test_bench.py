@@ -215,6 +215,17 @@ def test_a_call_that_fails_while_timed_leaves_the_turns_with_its_error():
     assert len(times["ok"]) == 4
 
 
+def test_medians_in_turns_keep_a_failure_and_every_median_raises_it():
+    def fails():
+        raise RuntimeError("no kernel")
+
+    medians = bench.medians_in_turns({"ok": lambda: None, "bad": fails}, [()], torch.device("cpu"), warmup=1, reps=3)
+    assert medians["ok"] >= 0 and isinstance(medians["bad"], RuntimeError)
+    assert bench.every_median({"ok": 1.5}) == {"ok": 1.5}
+    with pytest.raises(RuntimeError, match="no kernel"):
+        bench.every_median(medians)
+
+
 def test_a_backward_cell_checks_then_times_each_mode_in_turns(monkeypatch):
     """The backward sweep's cell on the CPU with stand-in implementations: a right one is timed in both modes,
     a wrong one is WRONG and untimed, one that does not run the cell is n/a; rows keep the --impls order."""

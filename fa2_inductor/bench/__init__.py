@@ -28,7 +28,8 @@ from .measure import CellResult, Measurement, measure_cell, measure_together, ra
 from .plot import draw_plot
 from .report import Progress, environment, group_title, table_header, table_row, write_json
 from .timing import (
-    TIME_BUDGET_MS, affordable_counts, input_set_count, time_calls, time_cpu, time_cuda, time_in_turns,
+    TIME_BUDGET_MS, affordable_counts, every_median, input_set_count, medians_in_turns, time_calls, time_cpu,
+    time_cuda, time_in_turns,
 )
 
 __all__ = [
@@ -42,5 +43,6 @@ __all__ = [
     "CellResult", "Measurement", "measure_cell", "measure_together", "ratio_name",
     "draw_plot",
     "Progress", "environment", "group_title", "table_header", "table_row", "write_json",
-    "TIME_BUDGET_MS", "affordable_counts", "input_set_count", "time_calls", "time_cpu", "time_cuda", "time_in_turns",
+    "TIME_BUDGET_MS", "affordable_counts", "every_median", "input_set_count", "medians_in_turns", "time_calls",
+    "time_cpu", "time_cuda", "time_in_turns",
 ]

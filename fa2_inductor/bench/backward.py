@@ -11,7 +11,6 @@ does not cover is n/a (its fallback would be timed otherwise).
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from .cases import CAUSAL_CHOICES, DTYPES, Cell, attention_flops, sweep_cells, t
 from .measure import describe_exception
 from .plot import draw_plot
 from .report import environment, environment_line, write_json
-from .timing import time_in_turns
+from .timing import medians_in_turns
 
 MODES = {"fwd+bwd": 3.5, "bwd": 2.5}  # FLOPs as multiples of the forward's
 IMPLS = ("fa2_inductor", "sdpa_flash", "sdpa_cudnn")
@@ -83,7 +82,7 @@ def gradients_close(got, want, dtype) -> tuple[float, bool]:
 
 def measure_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> dict:
     """One cell: every implementation's fwd+bwd and bwd TFLOP/s (or n/a / WRONG / error with a reason). The
-    implementations whose gradients agree are timed in turns, one mode after the other (``time_in_turns``)."""
+    implementations whose gradients agree are timed in turns, one mode after the other (``medians_in_turns``)."""
     q, k, v, g = _inputs(cell, device, args.seed)
     scale = cell.head_dim ** -0.5
     inputs = (q, k, v)
@@ -116,14 +115,12 @@ def measure_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> 
     }
     for mode, factor in MODES.items():
         calls = {name: steps[mode](forward, out) for name, (forward, out, _) in checked.items()}
-        for name, times in time_in_turns(calls, [()], device, warmup=args.warmup, reps=args.reps).items():
-            error = checked[name][2]
-            if isinstance(times, Exception):
-                record["modes"][mode][name] = {"status": "error", "reason": describe_exception(times)}
-                continue
-            ms = statistics.median(times)
-            record["modes"][mode][name] = {"status": "ok", "ms": ms, "tflops": tflops(factor * forward_flops, ms),
-                                           "max_abs_error": error}
+        for name, ms in medians_in_turns(calls, [()], device, warmup=args.warmup, reps=args.reps).items():
+            if isinstance(ms, Exception):
+                record["modes"][mode][name] = {"status": "error", "reason": describe_exception(ms)}
+            else:
+                record["modes"][mode][name] = {"status": "ok", "ms": ms, "tflops": tflops(factor * forward_flops, ms),
+                                               "max_abs_error": checked[name][2]}
     record["modes"] = {mode: {name: rows[name] for name in args.impls} for mode, rows in record["modes"].items()}
     return record
 

@@ -13,7 +13,6 @@ that row; one that takes no GQA runs on repeated K/V, as transformers calls it. 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .measure import describe_exception
 from .report import environment, environment_line, write_json
-from .timing import input_set_count, time_in_turns
+from .timing import input_set_count, medians_in_turns
 
 CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 BATCHES = (1, 8, 32)
@@ -112,12 +111,12 @@ def decode_rows(args: argparse.Namespace) -> int:
                         continue
                     checked[name] = fn
                 us = {}
-                for name, times in time_in_turns(checked, sets, device, warmup=warmup, reps=reps).items():
-                    if isinstance(times, Exception):
-                        print(f"{form} ctx={context} B={batch} {name}: {describe_exception(times)}")
+                for name, ms in medians_in_turns(checked, sets, device, warmup=warmup, reps=reps).items():
+                    if isinstance(ms, Exception):
+                        print(f"{form} ctx={context} B={batch} {name}: {describe_exception(ms)}")
                         failed |= name == "fa2_inductor"
                     else:
-                        us[name] = 1e3 * statistics.median(times)
+                        us[name] = 1e3 * ms
                 peers = {name: t for name, t in us.items() if name != "fa2_inductor"}
                 best = min(peers, key=peers.get) if peers else None
                 read_bytes = 2 * batch * HEADS_KV * context * HEAD_DIM * DTYPE.itemsize

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
@@ -32,7 +31,7 @@ from .backward import MODES, gradients_close
 from .cases import tflops
 from .measure import describe_exception
 from .report import environment, environment_line, write_json
-from .timing import keep_busy, time_in_turns
+from .timing import keep_busy, medians_in_turns
 
 DTYPE, HEAD_DIM = torch.bfloat16, 128
 SEQLENS = [2048, 8192]
@@ -181,14 +180,13 @@ class _Runner:
             return None, {"status": "n/a", "reason": describe_exception(exc)}
 
     def timed(self, calls: dict, rows: dict, flops: float) -> None:
-        """Times the checked calls in turns (``time_in_turns``) and completes their rows."""
+        """Times the checked calls in turns (``medians_in_turns``) and completes their rows."""
         keep_busy(lambda: [call() for call in calls.values()], self.device)  # Flex's compile clocked the GPU down
-        times = time_in_turns(calls, [()], self.device, warmup=self.args.warmup, reps=self.args.reps)
-        for name, result in times.items():
-            if isinstance(result, Exception):
-                rows[name].update(status="error", reason=describe_exception(result))
+        for name, ms in medians_in_turns(calls, [()], self.device, warmup=self.args.warmup,
+                                         reps=self.args.reps).items():
+            if isinstance(ms, Exception):
+                rows[name].update(status="error", reason=describe_exception(ms))
             else:
-                ms = statistics.median(result)
                 rows[name].update(status="ok", ms=ms, tflops=tflops(flops, ms))
 
     def record(self, case: MaskCase, batch: int, seqlen: int) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -13,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .. import _cuda
 from .measure import describe_exception
 from .report import environment, environment_line, write_json
-from .timing import time_in_turns
+from .timing import every_median, medians_in_turns
 
 DTYPE, HEAD_DIM = torch.bfloat16, 128
 SEQLENS = (2048, 4096, 8192)
@@ -53,12 +52,10 @@ class _MaskRows:
         self.failed = False
 
     def pair(self, ours: Callable, other: Callable) -> tuple[float, float]:
-        """Median ms of our call and its comparison, timed in turns (``time_in_turns``); raises as one fails."""
-        times = time_in_turns({"ours": ours, "other": other}, [()], self.device, warmup=self.warmup, reps=self.reps)
-        for result in times.values():
-            if isinstance(result, Exception):
-                raise result
-        return statistics.median(times["ours"]), statistics.median(times["other"])
+        """Median ms of our call and its comparison, timed in turns (``medians_in_turns``); raises as one fails."""
+        ms = every_median(medians_in_turns({"ours": ours, "other": other}, [()], self.device, warmup=self.warmup,
+                                           reps=self.reps))
+        return ms["ours"], ms["other"]
 
     def against_best_sdpa(self, ours: Callable, q, k, v, mask, scale) -> tuple[float, str, float]:
         """(our median ms, the fastest SDPA backend that takes the mask, its median ms), timed in turns."""
@@ -72,13 +69,13 @@ class _MaskRows:
             except Exception:  # the backend refuses this mask / shape
                 continue
             calls[name] = call
-        times = time_in_turns({"ours": ours, **calls}, [()], self.device, warmup=self.warmup, reps=self.reps)
-        if isinstance(times["ours"], Exception):
-            raise times["ours"]
-        sdpa = {name: statistics.median(t) for name, t in times.items()
-                if name != "ours" and not isinstance(t, Exception)}
+        ms = medians_in_turns({"ours": ours, **calls}, [()], self.device, warmup=self.warmup, reps=self.reps)
+        ours_ms = ms.pop("ours")
+        if isinstance(ours_ms, Exception):
+            raise ours_ms
+        sdpa = {name: t for name, t in ms.items() if not isinstance(t, Exception)}
         best = min(sdpa, key=sdpa.get) if sdpa else "none"
-        return statistics.median(times["ours"]), best, sdpa.get(best, float("nan"))
+        return ours_ms, best, sdpa.get(best, float("nan"))
 
     def inputs(self, seqlen_q: int, seqlen_k: int, batch: int):
         g = torch.Generator(device=self.device).manual_seed(self.seed)

@@ -8,13 +8,12 @@ only peer that soft-caps; none takes sinks). Outputs are checked against the ref
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 from .. import reference
 from .report import environment, environment_line, write_json
-from .timing import time_in_turns
+from .timing import every_median, medians_in_turns
 
 SOFTCAP = 50.0
 SEQLENS = (2048, 8192)
@@ -74,11 +73,7 @@ def score_mod_rows(args: argparse.Namespace) -> int:
                 if not _close(got, expected):
                     print(f"d={d} s={seqlen} {name}: WRONG against the reference")
                     failed = True
-            timed = time_in_turns(calls, [()], device, warmup=warmup, reps=reps)
-            for result in timed.values():
-                if isinstance(result, Exception):
-                    raise result
-            ms = {name: statistics.median(times) for name, times in timed.items()}
+            ms = every_median(medians_in_turns(calls, [()], device, warmup=warmup, reps=reps))
             flops = 4 * batch * heads * seqlen * seqlen * d / 2
             record = {"head_dim": d, "seqlen": seqlen, "batch": batch, "heads": heads, "ms": ms,
                       "tflops": {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items()},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -102,6 +103,22 @@ def time_in_turns(
             except Exception as exc:
                 failed[name] = exc
     return {name: failed.get(name, times.get(name)) for name in calls}
+
+
+def medians_in_turns(
+    calls: dict[str, Callable], arg_sets: ArgSets, device: torch.device, *, warmup: int, reps: int
+) -> dict[str, "float | Exception"]:
+    """``time_in_turns``, as each call's median milliseconds (or the exception it raised)."""
+    timed = time_in_turns(calls, arg_sets, device, warmup=warmup, reps=reps)
+    return {name: t if isinstance(t, Exception) else statistics.median(t) for name, t in timed.items()}
+
+
+def every_median(medians: dict[str, "float | Exception"]) -> dict[str, float]:
+    """``medians_in_turns``'s result where every call must have run: raises the first failure."""
+    for result in medians.values():
+        if isinstance(result, Exception):
+            raise result
+    return medians
 
 
 def affordable_counts(call_ms: float, warmup: int, reps: int, budget_ms: float = TIME_BUDGET_MS) -> tuple[int, int]:
