@@ -2,12 +2,16 @@
 a build selects, the instantiation sources (csrc/generated/*.cu, one compile unit each, so they build
 in parallel) and the binding's table (csrc/generated/kernel_table.inc, included by csrc/api.cpp).
 
-Every selected (head dim, dtype) compiles all of VARIANTS; the binding's entry for it points at each.
+Every selected (head dim, dtype) compiles all of VARIANTS (the backward ones where BACKWARD_HEAD_DIMS has the
+head dim); the binding's entries for it point at each.
 """
 
 from __future__ import annotations
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 192, 256)
+# Head dims with backward kernels of their own; another's backward runs on the next larger one (D=192: each
+# backward warpgroup's half of the head dim, 96, fills no whole 128-byte swizzle row).
+BACKWARD_HEAD_DIMS = (64, 128, 256)
 DTYPES = {"bf16": "kBF16", "fp16": "kFP16"}
 
 FORWARD = "../fa2/launch.hpp"
@@ -51,6 +55,8 @@ def compile_units(head_dims, dtypes) -> dict[str, str]:
     for d in sorted(head_dims):
         for name in sorted(dtypes):
             for variant, (what, header, lines) in VARIANTS.items():
+                if header == BACKWARD and d not in BACKWARD_HEAD_DIMS:
+                    continue
                 body = "\n".join(line.format(d=d, t=DTYPES[name]) for line in lines)
                 units[f"{GENERATED_DIR}/hdim{d}_{name}_{variant}.cu"] = (
                     f"// Generated from csrc/kernel_table.py: head dim {d}, {name}, {what}.\n"
@@ -65,6 +71,6 @@ def binding_table(head_dims, dtypes) -> str:
     (head dim, dtype), each behind the macro of its table so one file serves both."""
     pairs = [(d, name) for d in sorted(head_dims) for name in sorted(dtypes)]
     forward = "\n".join(f'FA2_ENTRY({d}, {DTYPES[name]}, "{name}")' for d, name in pairs)
-    backward = "\n".join(f"FA2_BWD_ENTRY({d}, {DTYPES[name]})" for d, name in pairs)
+    backward = "\n".join(f"FA2_BWD_ENTRY({d}, {DTYPES[name]})" for d, name in pairs if d in BACKWARD_HEAD_DIMS)
     return ("// Generated from csrc/kernel_table.py.\n#if defined(FA2_ENTRY)\n" + forward + "\n#endif\n"
             "#if defined(FA2_BWD_ENTRY)\n" + backward + "\n#endif\n")

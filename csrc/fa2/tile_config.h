@@ -19,6 +19,7 @@ struct TileConfig;
 #ifdef FA2_PINGPONG
 #define FA2_PINGPONG_HDIM64 FA2_PINGPONG
 #define FA2_PINGPONG_HDIM128 FA2_PINGPONG
+#define FA2_PINGPONG_HDIM192 FA2_PINGPONG
 #define FA2_PINGPONG_HDIM256 FA2_PINGPONG
 #endif
 #ifndef FA2_PINGPONG_HDIM64
@@ -37,8 +38,14 @@ struct TileConfig;
 #ifndef FA2_TILE_N_HDIM128
 #define FA2_TILE_N_HDIM128 128
 #endif
+#ifndef FA2_TILE_N_HDIM192
+#define FA2_TILE_N_HDIM192 64
+#endif
 #ifndef FA2_TILE_N_HDIM256
 #define FA2_TILE_N_HDIM256 64
+#endif
+#ifndef FA2_PINGPONG_HDIM192
+#define FA2_PINGPONG_HDIM192 1
 #endif
 
 template <bool Causal>
@@ -54,6 +61,16 @@ struct TileConfig<128, Causal> {
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM128, kStages = 2;
   static constexpr bool kPersistent = true;
   static constexpr int kCausalStrideMaxSeqlenQ = 1024;
+};
+// D=192: key blocks of 64 (the mask's bit rows and block grid take multiples of 64; 128 keys in two
+// stages would not fit): Q 48 KB + three K and three V stages (72 KB each); O is staged in Q's buffer
+// and the kernel keeps one CTA per tile, as D=256 does.
+template <bool Causal>
+struct TileConfig<192, Causal> {
+  static constexpr bool kPingPong = FA2_PINGPONG_HDIM192;
+  static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM192, kStages = 3;
+  static constexpr bool kPersistent = false;
+  static constexpr int kCausalStrideMaxSeqlenQ = 0;
 };
 template <bool Causal>
 struct TileConfig<256, Causal> {
