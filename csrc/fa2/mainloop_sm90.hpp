@@ -46,8 +46,7 @@ struct KernelTraits {
   static constexpr MaskKind kMask = Mask_;
   using MaskArgsT = typename MaskArgsFor<Mask_>::type;
   static constexpr bool kPingPong = Config::kPingPong;
-  // Masked kernels stay one CTA per tile: the tile loop's registers would spill in them.
-  static constexpr bool kPersistent = Config::kPersistent && Mask_ == MaskKind::kNone;
+  static constexpr bool kPersistent = Config::kPersistent;  // masked kernels too (0 spills with 40 producer registers)
   // Causal tiles differ in cost: the most expensive (last) query tiles run first. Masked kernels do
   // the same: the masks of real models are mostly causal-like (HF causal, sliding windows).
   using Tiles = QueryTiles<kCausal || kMask != MaskKind::kNone, kPersistent>;

@@ -53,6 +53,21 @@ def torch_attention(q, k, v, scale, is_causal):
     return torch.matmul(p, v)
 
 
+def masked_torch_attention(q, k, v, mask, scale):
+    """Plain PyTorch attention in q's dtype with a bool or additive mask (the error baseline of masked
+    calls); fully masked rows give 0."""
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    s = (torch.matmul(q, k.transpose(-1, -2)) * scale).float()
+    if mask.dtype == torch.bool:
+        s = s.masked_fill(~mask, float("-inf"))
+    else:
+        s = s + mask.float()
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0).to(q.dtype)
+    return torch.matmul(p, v)
+
+
 def assert_twice_torch_error(out, lse, ref, base):
     """FlashAttention's rule: the kernel's max error against the float64 reference ``ref`` is at most twice
     that of plain PyTorch attention in the input dtype (``base``); NaN means an unwritten element.

@@ -32,20 +32,7 @@ if os.environ.get("FA2_INDUCTOR_DISABLE_MASK_KERNEL", "0") == "1":
 from tests.gpu.kernel_inputs import (  # noqa: E402
     COMPILED, DEV, DTYPES, HEAD_DIMS, assert_twice_torch_error, make_qkv, needs_kernel,
 )
-
-
-def torch_attention(q, k, v, mask, scale):
-    """Plain PyTorch attention in q's dtype (the error baseline); fully masked rows give 0."""
-    rep = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(rep, dim=1)
-    v = v.repeat_interleave(rep, dim=1)
-    s = (torch.matmul(q, k.transpose(-1, -2)) * scale).float()
-    if mask.dtype == torch.bool:
-        s = s.masked_fill(~mask, float("-inf"))
-    else:
-        s = s + mask.float()
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0).to(q.dtype)
-    return torch.matmul(p, v)
+from tests.gpu.kernel_inputs import masked_torch_attention as torch_attention  # noqa: E402
 
 
 def run_masked(q, k, v, mask, scale):

@@ -1,7 +1,8 @@
 """The persistent forward (one CTA per SM striding through the query tiles) against the same kernel
 launched with one CTA per tile: every tile runs the same instructions either way, so out and lse must be
 bit-equal, on shapes with several tiles per SM, tiles without any key, the rows-filter pass, GQA, windows,
-strided inputs and soft-capping; and the persistent results pass the float64 accuracy rule.
+strided inputs, soft-capping and masks (bool, additive, with causal positions); and the persistent results
+pass the float64 accuracy rule.
 Skipped unless an sm_90 GPU and fa2_inductor._C exist."""
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import torch
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("needs an sm_90 (Hopper) GPU", allow_module_level=True)
 
-from fa2_inductor import _extension  # noqa: E402
+from fa2_inductor import _cuda, _extension  # noqa: E402
 from fa2_inductor.reference import attention_reference  # noqa: E402
 
 if _extension.C is None:
     pytest.skip(f"fa2_inductor._C not loaded: {_extension.status}", allow_module_level=True)
 
 from tests.gpu.kernel_inputs import (  # noqa: E402
-    DEV, DTYPES, HEAD_DIMS, assert_twice_torch_error, make_qkv, needs_kernel, torch_attention,
+    DEV, DTYPES, HEAD_DIMS, assert_twice_torch_error, make_qkv, masked_torch_attention, needs_kernel,
+    torch_attention,
 )
 
 
@@ -127,3 +129,46 @@ def test_softcap_and_repeated_calls(one_cta_per_tile, d):
     for _ in range(3):
         again = fwd(q, k, v, True, softcap=20.0)
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+
+
+def _masks(b, hq, sq, sk):
+    """Key padding with a sequence that sees no key (its tiles have no key block), a causal bool
+    [1, 1, Sq, Sk] mask, and an additive bias with finfo.min holes."""
+    g = torch.Generator(device=DEV).manual_seed(11)
+    lengths = torch.tensor([sk, sk // 2, 37, 0][:b], device=DEV)
+    padding = (torch.arange(sk, device=DEV) < lengths[:, None])[:, None, None, :]
+    i, j = torch.arange(sq, device=DEV)[:, None], torch.arange(sk, device=DEV)[None, :]
+    causal = (j <= i)[None, None]
+    bias = torch.randn(1, hq, sq, sk, device=DEV, generator=g)
+    bias = bias.masked_fill(torch.rand(1, hq, sq, sk, device=DEV, generator=g) < 0.3, torch.finfo(torch.float32).min)
+    return {"padding": padding, "causal_bool": causal, "additive": bias}
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("mask_name", ["padding", "causal_bool", "additive"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_masked_kernels_bit_equal_and_accurate(one_cta_per_tile, d, mask_name, is_causal):
+    """Masked kernels stride like the others (up to the causal limit): 4 x 8 heads x 8 tiles, 700 rows."""
+    needs_kernel(d, "bf16")
+    b, hq, hkv, sq, sk = 4, 8, 2, 700, 700
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, layout="bshd", seed=d)
+    mask = _masks(b, hq, sq, sk)[mask_name]
+    if _cuda.kernel_unsupported_reason(q, k, v, mask, is_causal) is not None:
+        pytest.skip(_cuda.kernel_unsupported_reason(q, k, v, mask, is_causal))
+    scale = 1.0 / math.sqrt(d)
+
+    def call():
+        out = torch.full((b, sq, hq, d), float("nan"), device=DEV, dtype=q.dtype).transpose(1, 2)
+        lse = torch.full((b, hq, sq), float("nan"), device=DEV, dtype=torch.float32)
+        _cuda.forward(q, k, v, scale, is_causal, out, lse, attn_mask=mask)
+        torch.cuda.synchronize()
+        return out, lse
+
+    out, lse = assert_same_both_ways(one_cta_per_tile, call)
+    if is_causal:  # the baseline takes one mask: causal positions folded in
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=DEV).tril()
+        mask = mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))
+    ref_mask = mask if mask.dtype == torch.bool else mask.double()
+    ref, ref_lse = attention_reference(q.double(), k.double(), v.double(), attn_mask=ref_mask, scale=scale)
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse)), "rows without a visible key differ"
+    assert_twice_torch_error(out, lse, ref, masked_torch_attention(q, k, v, mask, scale))
