@@ -39,30 +39,34 @@ struct KernelTraits {
   using Element = typename ElementOf<Dt>::type;
   using Config = TileConfig<HeadDim_, Causal_>;
   static constexpr int kHeadDim = HeadDim_;
-  static constexpr int kBlockM = Config::kBlockM;
+  // Masked kernels keep the mask grid's rows per tile (the binding sizes it by kMaskBlockM).
+  static constexpr int kBlockM = Mask_ == MaskKind::kNone ? Config::kBlockM : kMaskBlockM;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = Causal_;
   static constexpr MaskKind kMask = Mask_;
   using MaskArgsT = typename MaskArgsFor<Mask_>::type;
-  static constexpr bool kPingPong = Config::kPingPong;
   static constexpr bool kPersistent = Config::kPersistent;  // masked kernels too (0 spills with 40 producer registers)
   // Causal tiles differ in cost: the most expensive (last) query tiles run first. Masked kernels do
   // the same: the masks of real models are mostly causal-like (HF causal, sliding windows).
   using Tiles = QueryTiles<kCausal || kMask != MaskKind::kNone, kPersistent>;
   static_assert(kHeadDim % 64 == 0, "head dim must fill 128-byte swizzle rows");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0);
-  static_assert(kMask == MaskKind::kNone || kBlockM == kMaskBlockM, "the binding sizes mask grids by kMaskBlockM");
   static_assert(kHeadDim <= kMaxHeadDim);
 
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = 128 + kConsumerThreads;  // one producer warpgroup
+  // Ping-pong takes turns between two consumer warpgroups; three issue on their own.
+  static constexpr bool kPingPong = Config::kPingPong && kConsumerWarpgroups == 2;
   // setmaxnreg moves registers between warpgroups of the CTA: what the consumers gain must not
   // exceed what the producer gives back from the launch allocation, or setmaxnreg.inc waits forever.
-  static constexpr int kProducerRegs = kPersistent ? 40 : (kConsumerWarpgroups == 2 ? 32 : 40);
-  static constexpr int kConsumerRegs = kConsumerWarpgroups == 2 ? 232 : 160;
+  // The producer keeps 40 in persistent kernels of two consumer warpgroups (their tile loop spilled at
+  // 32), 32 elsewhere; the consumers take all it frees, a multiple of 8: 232 with two, 160 with three.
+  static constexpr int kProducerRegs = kPersistent && kConsumerWarpgroups == 2 ? 40 : 32;
   static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  static constexpr int kConsumerRegs =
+      (kLaunchRegs + (kLaunchRegs - kProducerRegs) * 128 / kConsumerThreads) / 8 * 8;
   static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * kConsumerThreads,
                 "register reconfiguration would deadlock");
 

@@ -3,7 +3,7 @@
 
 namespace fa2 {
 
-// kBlockM: query rows per CTA (64 per consumer warpgroup).
+// kBlockM: query rows per CTA (64 per consumer warpgroup; masked kernels keep kMaskBlockM).
 // kBlockN: key rows per pipeline stage.  kStages: K/V shared-memory stages.
 // kPersistent: one CTA per SM runs many query tiles (tile_scheduler.hpp); it needs O staged apart
 // from Q, which D=256's shared memory has no room for. kCausalStrideMaxSeqlenQ: causal calls stride only
@@ -13,7 +13,7 @@ namespace fa2 {
 template <int HeadDim, bool Causal>
 struct TileConfig;
 
-// Ping-pong: the two consumer warpgroups take turns issuing their GEMMs (named barriers), so one
+// Ping-pong (kernels of two consumer warpgroups): the two take turns issuing their GEMMs (named barriers), so one
 // warpgroup's softmax runs under the other's GEMMs. Defaults from a tile sweep (docs/design.md):
 // on for D=64/128, off for D=256. FA2_PINGPONG=0/1 forces every head dim.
 #ifdef FA2_PINGPONG
@@ -32,6 +32,9 @@ struct TileConfig;
 #define FA2_PINGPONG_HDIM256 0
 #endif
 
+#ifndef FA2_TILE_M_HDIM64
+#define FA2_TILE_M_HDIM64 128
+#endif
 #ifndef FA2_TILE_N_HDIM64
 #define FA2_TILE_N_HDIM64 128
 #endif
@@ -51,7 +54,7 @@ struct TileConfig;
 template <bool Causal>
 struct TileConfig<64, Causal> {
   static constexpr bool kPingPong = FA2_PINGPONG_HDIM64;
-  static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM64, kStages = 3;
+  static constexpr int kBlockM = FA2_TILE_M_HDIM64, kBlockN = FA2_TILE_N_HDIM64, kStages = 3;
   static constexpr bool kPersistent = true;
   static constexpr int kCausalStrideMaxSeqlenQ = 2048;
 };
