@@ -447,10 +447,12 @@ def test_a_wrong_cell_makes_the_exit_status_fail(monkeypatch, tmp_path):
     assert record["measurements"]["fa2_inductor"]["status"] == "WRONG" and record["ratios"] == {}
 
 
-def test_masked_training_defaults_to_its_own_seqlens():
+def test_mask_modes_default_to_their_own_seqlens():
     assert bench.parse_args(["--device", "cuda", "--backward", "--masks"]).seqlens == [2048, 8192]
     assert bench.parse_args(["--device", "cuda", "--backward", "--masks", "--seqlens", "4096"]).seqlens == [4096]
     assert bench.parse_args(["--device", "cuda", "--backward"]).seqlens == bench.FULL_SWEEP["seqlens"]
+    assert bench.parse_args(["--device", "cuda", "--masks"]).seqlens == [1024, 2048, 4096, 8192]
+    assert bench.parse_args(["--device", "cuda", "--masks", "--seqlens", "512"]).seqlens == [512]
 
 
 def _visible_pairs(seqlen, lengths, window=None, causal=True):

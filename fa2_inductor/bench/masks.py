@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .. import _cuda
+from .. import _cuda, _extension
 from .measure import describe_exception
 from .report import environment, environment_line, write_json
 from .timing import every_median, medians_in_turns
 
 DTYPE, HEAD_DIM = torch.bfloat16, 128
-SEQLENS = (2048, 4096, 8192)
+SEQLENS = [1024, 2048, 4096, 8192]  # or --seqlens
 # Sliding window, T5 bias and random masks are timed at this seqlen only.
 WINDOW_SEQLEN = 4096
 
@@ -76,6 +77,17 @@ class _MaskRows:
         sdpa = {name: t for name, t in ms.items() if not isinstance(t, Exception)}
         best = min(sdpa, key=sdpa.get) if sdpa else "none"
         return ours_ms, best, sdpa.get(best, float("nan"))
+
+    @staticmethod
+    def per_tile(call: Callable) -> Callable:
+        """`call` with the forward launched one CTA per query tile (what the persistent scheduler gains)."""
+        def run():
+            _extension.C.set_persistent_forward(False)
+            try:
+                return call()
+            finally:
+                _extension.C.set_persistent_forward(True)
+        return run
 
     def inputs(self, seqlen_q: int, seqlen_k: int, batch: int):
         g = torch.Generator(device=self.device).manual_seed(self.seed)
@@ -146,6 +158,10 @@ class _MaskRows:
             row(f"padding [B,1,1,S] S={seqlen} ({visible} visible)", t_mask, f"ours no mask Sk={visible}", t_plain,
                 "(target: x >= 0.91)", seqlen=seqlen, batch=batch)
             self.split_prepass(lambda: op(q, k, v, pad, scale, False))
+            padded = functools.partial(op, q, k, v, pad, scale, False)
+            t_mask, t_per_tile = pair(padded, self.per_tile(padded))
+            row(f"padding [B,1,1,S] S={seqlen}, persistent", t_mask, "ours one CTA per tile", t_per_tile,
+                seqlen=seqlen, batch=batch)
         sliding = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 1024))[None, None]
         if seqlen == WINDOW_SEQLEN and check(f"sliding {seqlen}", q, k, v, sliding, scale):
             t_mask, name, t_sdpa = self.against_best_sdpa(lambda: op(q, k, v, sliding, scale, False), q, k, v, sliding,
@@ -182,7 +198,7 @@ def mask_rows(args: argparse.Namespace) -> int:
     print(environment_line(env))
     print(f"mask rows: bf16, D={HEAD_DIM}, heads={rows.heads}, batch*seqlen={args.tokens}; median of {rows.reps}, "
           "timed in turns")
-    for seqlen in SEQLENS:
+    for seqlen in args.seqlens:
         rows.at_seqlen(seqlen)
     write_json(args.json, {"environment": env, "mask_rows": rows.records})
     print(f"JSON: {args.json}")
