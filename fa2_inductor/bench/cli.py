@@ -20,8 +20,8 @@ from .decode import decode_rows
 from .cases import CAUSAL_CHOICES, DTYPES, PAPER_HIDDEN, PAPER_TOKENS, sweep_cells
 from .implementations import DEFAULT_IMPLS, IMPLEMENTATIONS, TOLERANCES
 from .masked_backward import SEQLENS as MASKED_TRAINING_SEQLENS
-from .masks import SEQLENS as MASK_ROWS_SEQLENS
 from .masked_backward import masked_backward_rows
+from .masks import SEQLENS as MASK_ROWS_SEQLENS
 from .masks import mask_rows
 from .overhead import run_overhead
 from .score_mods import score_mod_rows
@@ -104,7 +104,8 @@ def _parser() -> argparse.ArgumentParser:
         "--masks", action="store_true",
         help="only the attention-mask rows (bf16, D=128, --tokens/--hidden shapes): causal as a bool mask vs "
         "is_causal, padding vs no mask at the same visible keys and vs one CTA per tile, sliding window vs SDPA, "
-        f"HF/T5 additive masks, pre-pass cost; --seqlens default {MASK_ROWS_SEQLENS}; writes --json. With --backward: the masked training rows instead (see --backward)",
+        f"HF/T5 additive masks, pre-pass cost; --seqlens default {MASK_ROWS_SEQLENS}; writes --json. "
+        "With --backward: the masked training rows instead (see --backward)",
     )
     parser.add_argument(
         "--score-mods", action="store_true",
