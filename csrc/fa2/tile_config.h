@@ -53,6 +53,13 @@ struct TileConfig;
 #ifndef FA2_PINGPONG_HDIM192
 #define FA2_PINGPONG_HDIM192 1
 #endif
+// D=192 fits a persistent kernel (O staged apart from Q) only with two K/V stages: a sweep's pair.
+#ifndef FA2_STAGES_HDIM192
+#define FA2_STAGES_HDIM192 3
+#endif
+#ifndef FA2_PERSISTENT_HDIM192
+#define FA2_PERSISTENT_HDIM192 0
+#endif
 
 // D=64 without causal: 192 query rows, three consumer warpgroups (H200 against cuDNN, 16k tokens: 1.01-1.12x
 // from 2k, 0.89-0.90x at 512/1k; 128 rows with ping-pong: 0.88-0.93x). Causal keeps 128 rows: 192 fell to
@@ -78,8 +85,8 @@ struct TileConfig<128, Causal> {
 template <bool Causal>
 struct TileConfig<192, Causal> {
   static constexpr bool kPingPong = FA2_PINGPONG_HDIM192;
-  static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM192, kStages = 3;
-  static constexpr bool kPersistent = false;
+  static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM192, kStages = FA2_STAGES_HDIM192;
+  static constexpr bool kPersistent = FA2_PERSISTENT_HDIM192;
   static constexpr int kCausalStrideMaxSeqlenQ = 0;
 };
 template <bool Causal>
