@@ -265,6 +265,22 @@ def test_mask_rows_time_ours_and_the_comparison_in_turns():
         rows.pair(fails, lambda: None)
 
 
+def test_mask_rows_per_tile_switches_the_persistent_grid_off_for_the_call_only(monkeypatch):
+    from fa2_inductor.bench import masks
+
+    switched = []
+    monkeypatch.setattr(masks._extension, "C", type("C", (), {"set_persistent_forward": staticmethod(switched.append)}))
+    assert masks._MaskRows.per_tile(lambda: switched.append("call"))() is None
+    assert switched == [False, "call", True]
+
+    def fails():
+        raise RuntimeError("kernel error")
+
+    with pytest.raises(RuntimeError, match="kernel error"):
+        masks._MaskRows.per_tile(fails)()
+    assert switched[-2:] == [False, True]  # restored all the same
+
+
 def test_input_sets_outgrow_the_cache():
     assert bench.input_set_count(set_bytes=200 << 20, cache_bytes=50 << 20) == 2
     assert bench.input_set_count(set_bytes=10 << 20, cache_bytes=50 << 20) == 8
