@@ -265,19 +265,20 @@ def test_mask_rows_time_ours_and_the_comparison_in_turns():
         rows.pair(fails, lambda: None)
 
 
-def test_mask_rows_per_tile_switches_the_persistent_grid_off_for_the_call_only(monkeypatch):
-    from fa2_inductor.bench import masks
+def test_one_cta_per_tile_switches_the_persistent_grid_off_for_the_call_only(monkeypatch):
+    from fa2_inductor.bench import implementations
 
     switched = []
-    monkeypatch.setattr(masks._extension, "C", type("C", (), {"set_persistent_forward": staticmethod(switched.append)}))
-    assert masks._MaskRows.per_tile(lambda: switched.append("call"))() is None
+    monkeypatch.setattr(implementations._extension, "C",
+                        type("C", (), {"set_persistent_forward": staticmethod(switched.append)}))
+    assert implementations.one_cta_per_tile(lambda x: switched.append(x))("call") is None
     assert switched == [False, "call", True]
 
     def fails():
         raise RuntimeError("kernel error")
 
     with pytest.raises(RuntimeError, match="kernel error"):
-        masks._MaskRows.per_tile(fails)()
+        implementations.one_cta_per_tile(fails)()
     assert switched[-2:] == [False, True]  # restored all the same
 
 

@@ -36,22 +36,23 @@ def _fa2_inductor(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -
     return call
 
 
-def _fa2_inductor_per_tile(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Callable:
-    """Our kernel launched with one CTA per query tile instead of one per SM: what the persistent
-    scheduler gains, measured in the same run (kernels without it run alike either way)."""
-    call = _fa2_inductor(q, k, v, causal, scale)
-    if not q.is_cuda:
-        return call
-    switch = _extension.C.set_persistent_forward
-
-    def per_tile(q, k, v):
-        switch(False)
+def one_cta_per_tile(call: Callable) -> Callable:
+    """`call` with our forward launched one CTA per query tile instead of one per SM (what the persistent
+    scheduler gains; kernels without it run alike either way); the persistent grid is back after each call."""
+    def per_tile(*args):
+        _extension.C.set_persistent_forward(False)
         try:
-            return call(q, k, v)
+            return call(*args)
         finally:
-            switch(True)
+            _extension.C.set_persistent_forward(True)
 
     return per_tile
+
+
+def _fa2_inductor_per_tile(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Callable:
+    """Our kernel with one CTA per query tile, measured in the same run as the persistent grid."""
+    call = _fa2_inductor(q, k, v, causal, scale)
+    return one_cta_per_tile(call) if q.is_cuda else call
 
 
 def _sdpa_with(backend: SDPBackend) -> Callable:

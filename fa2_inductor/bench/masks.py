@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .. import _cuda, _extension
+from .. import _cuda
+from .implementations import one_cta_per_tile
 from .measure import describe_exception
 from .report import environment, environment_line, write_json
 from .timing import every_median, medians_in_turns
@@ -77,17 +78,6 @@ class _MaskRows:
         sdpa = {name: t for name, t in ms.items() if not isinstance(t, Exception)}
         best = min(sdpa, key=sdpa.get) if sdpa else "none"
         return ours_ms, best, sdpa.get(best, float("nan"))
-
-    @staticmethod
-    def per_tile(call: Callable) -> Callable:
-        """`call` with the forward launched one CTA per query tile (what the persistent scheduler gains)."""
-        def run():
-            _extension.C.set_persistent_forward(False)
-            try:
-                return call()
-            finally:
-                _extension.C.set_persistent_forward(True)
-        return run
 
     def inputs(self, seqlen_q: int, seqlen_k: int, batch: int):
         g = torch.Generator(device=self.device).manual_seed(self.seed)
@@ -159,7 +149,7 @@ class _MaskRows:
                 "(target: x >= 0.91)", seqlen=seqlen, batch=batch)
             self.split_prepass(lambda: op(q, k, v, pad, scale, False))
             padded = functools.partial(op, q, k, v, pad, scale, False)
-            t_mask, t_per_tile = pair(padded, self.per_tile(padded))
+            t_mask, t_per_tile = pair(padded, one_cta_per_tile(padded))
             row(f"padding [B,1,1,S] S={seqlen}, persistent", t_mask, "ours one CTA per tile", t_per_tile,
                 seqlen=seqlen, batch=batch)
         sliding = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 1024))[None, None]
