@@ -143,6 +143,12 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
 
 template <int HeadDim, DType Dt, bool Causal>
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
+  using Config = TileConfig<HeadDim, Causal>;
+  if constexpr (Config::kLongBlockM > 0) {
+    if (params.seqlen_q >= Config::kLongMinSeqlenQ) {
+      return launch_fwd<KernelTraits<HeadDim, Dt, Causal, MaskKind::kNone, true>>(params, stream);
+    }
+  }
   return launch_fwd<KernelTraits<HeadDim, Dt, Causal>>(params, stream);
 }
 

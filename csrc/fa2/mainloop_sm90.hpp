@@ -34,13 +34,15 @@ template <DType Dt> struct ElementOf;
 template <> struct ElementOf<DType::kBF16> { using type = cutlass::bfloat16_t; };
 template <> struct ElementOf<DType::kFP16> { using type = cutlass::half_t; };
 
-template <int HeadDim_, DType Dt, bool Causal_, MaskKind Mask_ = MaskKind::kNone>
+// Long_: the config's tile for long query sequences (kLongBlockM), where it has one.
+template <int HeadDim_, DType Dt, bool Causal_, MaskKind Mask_ = MaskKind::kNone, bool Long_ = false>
 struct KernelTraits {
   using Element = typename ElementOf<Dt>::type;
   using Config = TileConfig<HeadDim_, Causal_>;
   static constexpr int kHeadDim = HeadDim_;
   // Masked kernels keep the mask grid's rows per tile (the binding sizes it by kMaskBlockM).
-  static constexpr int kBlockM = Mask_ == MaskKind::kNone ? Config::kBlockM : kMaskBlockM;
+  static constexpr int kBlockM = Mask_ != MaskKind::kNone ? kMaskBlockM : Long_ ? Config::kLongBlockM : Config::kBlockM;
+  static_assert(kBlockM > 0, "no long-sequence tile in this config");
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
   static constexpr bool kCausal = Causal_;

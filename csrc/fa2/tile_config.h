@@ -4,6 +4,7 @@
 namespace fa2 {
 
 // kBlockM: query rows per CTA (64 per consumer warpgroup; masked kernels keep kMaskBlockM).
+// kLongBlockM: the rows per CTA of unmasked calls with at least kLongMinSeqlenQ query rows (0: kBlockM always).
 // kBlockN: key rows per pipeline stage.  kStages: K/V shared-memory stages.
 // kPersistent: one CTA per SM runs many query tiles (tile_scheduler.hpp); it needs O staged apart
 // from Q, which D=256's shared memory has no room for. kCausalStrideMaxSeqlenQ: causal calls stride only
@@ -62,13 +63,15 @@ struct TileConfig;
 #endif
 
 // D=64 without causal: 192 query rows, three consumer warpgroups (H200 against cuDNN, 16k tokens: 1.01-1.12x
-// from 2k, 0.89-0.90x at 512/1k; 128 rows with ping-pong: 0.88-0.93x). Causal keeps 128 rows: 192 fell to
-// 0.70x/0.73x at 512/1k (128: 0.83x/0.86x) and gained only from 8k.
+// from 2k, 0.89-0.90x at 512/1k; 128 rows with ping-pong: 0.88-0.93x). Causal takes 128 rows below 8k query
+// rows and 192 from there: 192 fell to 0.70x/0.73x at 512/1k (128: 0.83x/0.86x), tied at 2k-4k and won
+// from 8k (1.00x/1.06x at 8k/16k against 0.93x/0.97x).
 template <bool Causal>
 struct TileConfig<64, Causal> {
   static constexpr bool kPingPong = FA2_PINGPONG_HDIM64;
   static constexpr int kBlockM = Causal ? FA2_TILE_M_HDIM64_CAUSAL : FA2_TILE_M_HDIM64;
   static constexpr int kBlockN = FA2_TILE_N_HDIM64, kStages = 3;
+  static constexpr int kLongBlockM = Causal ? FA2_TILE_M_HDIM64 : 0, kLongMinSeqlenQ = 8192;
   static constexpr bool kPersistent = true;
   static constexpr int kCausalStrideMaxSeqlenQ = 2048;
 };
@@ -77,6 +80,7 @@ struct TileConfig<128, Causal> {
   static constexpr bool kPingPong = FA2_PINGPONG_HDIM128;
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM128, kStages = 2;
   static constexpr bool kPersistent = true;
+  static constexpr int kLongBlockM = 0, kLongMinSeqlenQ = 0;
   static constexpr int kCausalStrideMaxSeqlenQ = 1024;
 };
 // D=192: key blocks of 64 (the mask's bit rows and block grid take multiples of 64; 128 keys in two
@@ -87,6 +91,7 @@ struct TileConfig<192, Causal> {
   static constexpr bool kPingPong = FA2_PINGPONG_HDIM192;
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM192, kStages = FA2_STAGES_HDIM192;
   static constexpr bool kPersistent = FA2_PERSISTENT_HDIM192;
+  static constexpr int kLongBlockM = 0, kLongMinSeqlenQ = 0;
   static constexpr int kCausalStrideMaxSeqlenQ = 0;
 };
 template <bool Causal>
@@ -94,6 +99,7 @@ struct TileConfig<256, Causal> {
   static constexpr bool kPingPong = FA2_PINGPONG_HDIM256;
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM256, kStages = 2;
   static constexpr bool kPersistent = false;
+  static constexpr int kLongBlockM = 0, kLongMinSeqlenQ = 0;
   static constexpr int kCausalStrideMaxSeqlenQ = 0;
 };
 

@@ -74,6 +74,17 @@ def test_forward_numerics(d, dt, is_causal, shape):
     check_forward(q, k, v, is_causal)
 
 
+@pytest.mark.parametrize("shape", [(1, 2, 1, 8195, 8195), (1, 2, 2, 8200, 8300)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_forward_long_causal(d, dt, shape):
+    """Causal calls of 8k query rows and more, where a head dim's config may switch to its long-sequence tile."""
+    needs_kernel(d, dt)
+    b, hq, hkv, sq, sk = shape
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, DTYPES[dt], seed=sq + sk)
+    check_forward(q, k, v, True)
+
+
 @pytest.mark.parametrize("hkv", [1, 2], ids=["mqa", "gqa"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
