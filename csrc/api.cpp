@@ -658,14 +658,23 @@ struct ReferenceHooks {
   // reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows, softcap,
   // sinks).
   pybind11::object forward_into;
+  // (reason, grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left, softcap,
+  // sinks) -> the backward op's five outputs where our backward kernel does not run the call: counted under
+  // backward_fallback:<reason>, PyTorch's flash backward where it can, else the reference.
+  pybind11::object backward_fallback;
+  // (grad_out, out, lse, sinks) -> d loss / d sinks (the kernel's LSE holds the sinks).
+  pybind11::object sinks_gradient;
 };
 // Never destroyed: Python objects must not be released after the interpreter has gone.
 ReferenceHooks* reference_hooks = nullptr;
 
-void set_reference_hooks(pybind11::object fallback, pybind11::object forward_into) {
+void set_reference_hooks(pybind11::object fallback, pybind11::object forward_into, pybind11::object backward_fallback,
+                         pybind11::object sinks_gradient) {
   if (reference_hooks == nullptr) reference_hooks = new ReferenceHooks();
   reference_hooks->fallback = std::move(fallback);
   reference_hooks->forward_into = std::move(forward_into);
+  reference_hooks->backward_fallback = std::move(backward_fallback);
+  reference_hooks->sinks_gradient = std::move(sinks_gradient);
 }
 
 const ReferenceHooks& hooks_for(const std::string& why) {
@@ -776,7 +785,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_cuda(const at::Tensor& q,
 
 // Raised whenever a binding's arguments change, so that a build from older sources is refused at import
 // (fa2_inductor/_extension.py INTERFACE_VERSION) instead of failing at its first call.
-constexpr int64_t kInterfaceVersion = 5;
+constexpr int64_t kInterfaceVersion = 6;
 
 std::vector<std::tuple<int64_t, std::string>> compiled_kernels() {
   std::vector<std::tuple<int64_t, std::string>> result;
@@ -950,6 +959,140 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   check_launch(fn, entry->run[variant](p, c10::cuda::getCurrentCUDAStream().stream()));
 }
 
+// ------------------------------------------------------------------------------------------ backward op
+
+namespace {
+
+
+// None when our backward kernel runs the call, else a short reason: what the forward kernels cover (masks,
+// causal positions and windows, alone or together; soft-capping), less soft-capping with an additive mask.
+// Sinks need nothing of the kernel: the LSE holds them and the sinks_gradient hook gives theirs. The one
+// place that decides it: the op's CUDA implementation below, and through fa2_inductor._cuda the graph pass.
+Reason backward_unsupported_reason(const TensorMeta& grad_out, const TensorMeta& q, const TensorMeta& k,
+                                   const TensorMeta& v, const TensorMeta& out, const TensorMeta* mask, bool is_causal,
+                                   bool compute_mask_grad, int64_t window_left, double softcap, bool has_sinks,
+                                   bool deterministic) {
+  const char* disabled = std::getenv("FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL");
+  if (disabled != nullptr && std::strcmp(disabled, "1") == 0) {
+    return "backward kernel disabled (FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL=1)";
+  }
+  if (softcap > 0.0 && mask != nullptr && mask->dtype != at::kBool) {
+    return "softcap with an additive mask (the backward kernel recovers capped scores from P, which the mask shifts)";
+  }
+  // Every backward kernel takes the causal positions and a window, with or without a mask, so the forward's
+  // rules are asked of the positions and of the mask apart (its additive-mask kernels may have no causal
+  // instantiation).
+  Reason reason = unsupported_reason(q, k, v, nullptr, is_causal, window_left, softcap, has_sinks);
+  if (!reason.has_value() && mask != nullptr) reason = unsupported_reason(q, k, v, mask, false, -1, softcap, has_sinks);
+  if (reason.has_value()) return reason;
+  for (const auto& [name, t] : {std::pair<const char*, const TensorMeta*>{"grad_out", &grad_out}, {"out", &out}}) {
+    if (!t->sizes.equals(q.sizes) || t->dtype != q.dtype || t->device != q.device) {
+      return std::string(name) + " does not match q";
+    }
+  }
+  if (q.sizes[1] / k.sizes[1] >= fa2::kMaxHeadRatio) {
+    return join("more than ", fa2::kMaxHeadRatio - 1, " query heads per kv head");
+  }
+  if (compute_mask_grad && deterministic && mask != nullptr) {
+    // Deterministic mode adds each dS element into dmask once: no sum over a broadcast dim.
+    const std::array<int64_t, 4> full{q.sizes[0], q.sizes[1], q.sizes[2], k.sizes[2]};
+    const int64_t missing = 4 - mask->dim();
+    for (int64_t d = 0; d < 4; ++d) {
+      const int64_t size = d < missing ? 1 : mask->sizes[d - missing];
+      if (size == 1 && full[d] > 1) return "deterministic mask gradient summed over broadcast dims";
+    }
+  }
+  return std::nullopt;
+}
+
+Reason backward_kernel_unsupported_reason(const TensorMetaArgs& grad_out, const TensorMetaArgs& q,
+                                          const TensorMetaArgs& k, const TensorMetaArgs& v, const TensorMetaArgs& out,
+                                          const std::optional<TensorMetaArgs>& mask, bool is_causal,
+                                          bool compute_mask_grad, int64_t window_left, double softcap, bool has_sinks,
+                                          bool deterministic) {
+  const std::optional<TensorMeta> mask_meta = mask.has_value() ? std::optional<TensorMeta>(meta_of(*mask)) : std::nullopt;
+  return backward_unsupported_reason(meta_of(grad_out), meta_of(q), meta_of(k), meta_of(v), meta_of(out),
+                                     mask_meta ? &*mask_meta : nullptr, is_causal, compute_mask_grad, window_left,
+                                     softcap, has_sinks, deterministic);
+}
+
+// dq, dk, dv, dmask (empty unless compute_mask_grad), dsinks (empty without sinks).
+using BwdOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+BwdOutputs backward_fallback(const std::string& reason, const at::Tensor& grad_out, const at::Tensor& q,
+                             const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                             const std::optional<at::Tensor>& mask, double scale, bool is_causal,
+                             bool compute_mask_grad, int64_t window_left, double softcap,
+                             const std::optional<at::Tensor>& sinks) {
+  pybind11::gil_scoped_acquire gil;
+  const pybind11::object result = hooks_for(reason).backward_fallback(
+      reason, grad_out, q, k, v, out, lse, mask, scale, is_causal, compute_mask_grad, window_left, softcap, sinks);
+  return result.cast<BwdOutputs>();
+}
+
+at::Tensor sinks_gradient(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                          const at::Tensor& sinks) {
+  pybind11::gil_scoped_acquire gil;
+  return hooks_for("the sinks' gradient").sinks_gradient(grad_out, out, lse, sinks).cast<at::Tensor>();
+}
+
+// The tensor if TMA can read it as it is, else a contiguous copy (autograd may hand over any layout, e.g. the
+// zero strides of a sum's gradient).
+at::Tensor tma_readable(const at::Tensor& t) {
+  return layout_reason("t", TensorMeta::of(t)).has_value() ? t.contiguous() : t;
+}
+
+// fa2_inductor::flash_attention_bwd on CUDA: our backward kernel where it runs the call, else the Python
+// fallback (PyTorch's flash backward or the reference, counted). Deterministic (bit-identical run to run)
+// under torch.use_deterministic_algorithms(True).
+BwdOutputs flash_attention_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                    const std::optional<at::Tensor>& mask, double scale, bool is_causal,
+                                    bool compute_mask_grad, int64_t window_left, double softcap,
+                                    const std::optional<at::Tensor>& sinks) {
+  const bool deterministic = at::globalContext().deterministicAlgorithms();
+  const std::optional<TensorMeta> mask_meta =
+      mask.has_value() ? std::optional<TensorMeta>(TensorMeta::of(*mask)) : std::nullopt;
+  const Reason reason = backward_unsupported_reason(
+      TensorMeta::of(grad_out), TensorMeta::of(q), TensorMeta::of(k), TensorMeta::of(v), TensorMeta::of(out),
+      mask_meta ? &*mask_meta : nullptr, is_causal, compute_mask_grad, window_left, softcap, sinks.has_value(),
+      deterministic);
+  if (reason.has_value()) {
+    return backward_fallback(*reason, grad_out, q, k, v, out, lse, mask, scale, is_causal, compute_mask_grad,
+                             window_left, softcap, sinks);
+  }
+  FA2_CHECK(mask.has_value() || !compute_mask_grad, "flash_attention_bwd: compute_mask_grad needs an attn_mask");
+  c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  std::optional<at::Tensor> dmask_sum;  // float32, the mask's shape padded to 4-D
+  if (compute_mask_grad) {
+    std::vector<int64_t> shape(size_t(4 - mask->dim()), 1);
+    shape.insert(shape.end(), mask->sizes().begin(), mask->sizes().end());
+    dmask_sum = at::zeros(shape, q.options().dtype(at::kFloat));
+  }
+  const std::vector<int64_t> full{q.size(0), q.size(1), q.size(2), k.size(2)};
+  if (full[0] * full[1] * full[2] == 0 || full[3] == 0) {  // nothing to attend: every gradient is zero (or empty)
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+  } else {
+    const std::optional<at::Tensor> expanded_mask =
+        mask.has_value() ? std::optional<at::Tensor>(mask->expand(full)) : std::nullopt;
+    const std::optional<at::Tensor> expanded_dmask =
+        dmask_sum.has_value() ? std::optional<at::Tensor>(dmask_sum->expand(full)) : std::nullopt;
+    bwd(tma_readable(grad_out), q, k, v, tma_readable(out), lse, dq, dk, dv, scale, is_causal, deterministic,
+        expanded_mask, expanded_dmask, window_left, softcap);
+  }
+  at::Tensor dmask = dmask_sum.has_value() ? dmask_sum->reshape(mask->sizes()).to(mask->scalar_type())
+                                           : q.new_empty({0});
+  at::Tensor dsinks = sinks.has_value() ? sinks_gradient(grad_out, out, lse, *sinks) : q.new_empty({0});
+  return {dq, dk, dv, dmask, dsinks};
+}
+
+}  // namespace
+
 void register_bwd(pybind11::module_& m) {
   m.def("bwd", &bwd,
         "Attention backward into preallocated dq, dk, dv (optional mask as fwd_masked takes it, optional float32 "
@@ -959,13 +1102,20 @@ void register_bwd(pybind11::module_& m) {
         pybind11::arg("is_causal"), pybind11::arg("deterministic"), pybind11::arg("mask") = pybind11::none(),
         pybind11::arg("dmask") = pybind11::none(), pybind11::arg("window_left") = -1,
         pybind11::arg("softcap") = 0.0);
+  m.def("backward_kernel_unsupported_reason", &backward_kernel_unsupported_reason,
+        "None when the backward kernel runs the call, else why not; tensors as kernel_unsupported_reason takes them",
+        pybind11::arg("grad_out"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
+        pybind11::arg("attn_mask"), pybind11::arg("is_causal"), pybind11::arg("compute_mask_grad"),
+        pybind11::arg("window_left"), pybind11::arg("softcap"), pybind11::arg("has_sinks"),
+        pybind11::arg("deterministic"));
 }
 // ===== end of the backward kernel binding ========================================================
 
-// The op's CUDA implementations. fa2_inductor/ops.py registers its Python CUDA kernel for an op only where
-// none is registered here, so a C++ flash_attention_bwd joins with one more m.impl line.
+// The op's CUDA implementations (fa2_inductor/ops.py registers its Python CUDA kernels only where none is
+// registered here: installs without this module).
 TORCH_LIBRARY_IMPL(fa2_inductor, CUDA, m) {
   m.impl("flash_attention_fwd", TORCH_FN(flash_attention_fwd_cuda));
+  m.impl("flash_attention_bwd", TORCH_FN(flash_attention_bwd_cuda));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -997,9 +1147,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("attn_mask"), py::arg("is_causal"), py::arg("window_left"),
         py::arg("softcap") = 0.0, py::arg("has_sinks") = false);
   m.def("set_reference_hooks", &set_reference_hooks,
-        "The Python reference the CUDA implementation calls: fallback(reason, q, k, v, attn_mask, scale, is_causal, "
-        "window_left, empty_rows, softcap, sinks) -> (out, lse), and forward_into (reference.attention_forward)",
-        py::arg("fallback"), py::arg("forward_into"));
+        "The Python the CUDA implementations call: fallback(reason, q, k, v, attn_mask, scale, is_causal, "
+        "window_left, empty_rows, softcap, sinks) -> (out, lse), forward_into (reference.attention_forward), "
+        "backward_fallback(reason, grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, "
+        "window_left, softcap, sinks) -> (dq, dk, dv, dmask, dsinks) and sinks_gradient(grad_out, out, lse, sinks)",
+        py::arg("fallback"), py::arg("forward_into"), py::arg("backward_fallback"), py::arg("sinks_gradient"));
   m.def("compiled_kernels", &compiled_kernels, "List of (head_dim, dtype_name) compiled into this build");
   m.def("interface_version", [] { return kInterfaceVersion; },
         "The version of these bindings' arguments (fa2_inductor._extension refuses a build of another)");

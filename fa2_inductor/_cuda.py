@@ -1,17 +1,17 @@
 """The Hopper kernel's side of the op: whether it runs a call, how, and what runs where it does not.
 
-The decision and the op's CUDA path live in the compiled extension (csrc/api.cpp), which registers the op's
-CUDA implementation with the dispatcher when it loads. This module is their Python face:
-``kernel_unsupported_reason`` asks the extension's support rules about tensor metadata (so the graph pass
-and ``explain`` can ask about fake tensors), ``forward`` runs the CUDA path into preallocated outputs, and
-``reference_fallback`` is what a CUDA call the kernel does not run returns. Importing this module never
-initialises CUDA.
+The decisions and the op's CUDA paths live in the compiled extension (csrc/api.cpp), which registers the
+CUDA implementations of the forward and backward ops with the dispatcher when it loads. This module is their
+Python face: ``kernel_unsupported_reason`` and ``backward_kernel_unsupported_reason`` ask the extension's
+support rules about tensor metadata (so the graph pass and ``explain`` can ask about fake tensors),
+``forward`` runs the CUDA path into preallocated outputs, and ``reference_fallback`` / ``backward_fallback``
+are what a CUDA call the kernels do not run returns (the extension calls them back). Importing this module
+never initialises CUDA.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from typing import Optional
 
@@ -116,14 +116,7 @@ def reference_fallback(
     return reference.attention_reference(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows, softcap, sinks)
 
 
-if _extension.C is not None:
-    # The extension's CUDA implementation calls these where its kernel does not run a call (and for scale 0).
-    _extension.C.set_reference_hooks(reference_fallback, reference.attention_forward)
-
-
 # ===== the Hopper backward kernel ==================================================================
-# The backward's step entries name a query head of the group in 14 bits (csrc/fa2/bwd_mask.hpp kMaxHeadRatio).
-_MAX_BACKWARD_HEAD_RATIO = 1 << 14
 
 
 def backward_kernel_unsupported_reason(
@@ -131,68 +124,37 @@ def backward_kernel_unsupported_reason(
     attn_mask: Optional[Tensor], is_causal: bool, compute_mask_grad: bool, window_left: int = -1,
     softcap: float = 0.0, sinks: Optional[Tensor] = None,
 ) -> Optional[str]:
-    """None when ``backward_kernel`` runs this call: what the forward kernel covers (masks, causal and
-    windows, alone or together; soft-capping), less soft-capping with an additive mask. Sinks need nothing
-    of the kernel: the LSE holds them and ``sinks_gradient`` gives theirs."""
-    if not hasattr(_extension.C, "bwd"):
-        return "kernel built without the backward"
-    if os.environ.get("FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL", "0") == "1":
-        return "backward kernel disabled (FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL=1)"
-    if softcap and attn_mask is not None and attn_mask.dtype != torch.bool:
-        return "softcap with an additive mask (the backward kernel recovers capped scores from P, which the mask shifts)"
-    # Every backward kernel takes the causal positions and a window, with or without a mask, so the forward's
-    # rules are asked of the positions and of the mask apart (its additive-mask kernels may have no causal
-    # instantiation).
-    reason = (kernel_unsupported_reason(q, k, v, None, is_causal, window_left, softcap, sinks)
-              or kernel_unsupported_reason(q, k, v, attn_mask, False, -1, softcap, sinks))
-    if reason is not None:
-        return reason
-    for name, t in (("grad_out", grad_out), ("out", out)):
-        if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
-            return f"{name} does not match q"
-    if q.shape[1] // k.shape[1] >= _MAX_BACKWARD_HEAD_RATIO:
-        return f"more than {_MAX_BACKWARD_HEAD_RATIO - 1} query heads per kv head"
-    if compute_mask_grad and torch.are_deterministic_algorithms_enabled():
-        b, hq, sq, _ = q.shape
-        full = (b, hq, sq, k.shape[2])
-        shape = (1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)
-        if any(m == 1 and n > 1 for m, n in zip(shape, full)):
-            return "deterministic mask gradient summed over broadcast dims"
-    return None
+    """None when the backward op's CUDA implementation runs our backward kernel on this call, else a short
+    reason. The extension decides, with the function that implementation asks on every call."""
+    if _extension.C is None:
+        return KERNEL_NOT_BUILT
+    mask = None if attn_mask is None else _metadata(attn_mask)
+    return _extension.C.backward_kernel_unsupported_reason(
+        _metadata(grad_out), _metadata(q), _metadata(k), _metadata(v), _metadata(out), mask, bool(is_causal),
+        bool(compute_mask_grad), int(window_left), float(softcap), sinks is not None,
+        torch.are_deterministic_algorithms_enabled()
+    )
 
 
-def backward_kernel(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def backward_fallback(
+    reason: str, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     attn_mask: Optional[Tensor], scale: float, is_causal: bool, compute_mask_grad: bool, window_left: int = -1,
-    softcap: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dmask) from the Hopper backward kernel (only where ``backward_kernel_unsupported_reason``
-    accepted the call): contiguous, in the inputs' dtypes; dmask empty unless compute_mask_grad.
-    Deterministic (bit-identical run to run) when torch.are_deterministic_algorithms_enabled()."""
-    b, hq, sq, _ = q.shape
-    sk = k.shape[2]
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    dmask_sum = None
-    if compute_mask_grad:
-        dmask_sum = torch.zeros((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape), dtype=torch.float32, device=q.device)
-    if b * hq * sq == 0 or sk == 0:  # nothing to attend: every gradient is zero (or empty)
-        for t in (dq, dk, dv):
-            t.zero_()
-    else:
-        # Autograd may hand over any layout (e.g. the zero strides of a sum's gradient): copy what TMA can't
-        # read (asked of the support rules with the tensor in q's place, whose shape and dtype it has).
-        grad_out, out = (t if kernel_unsupported_reason(t, k, v, None, False) is None else t.contiguous()
-                         for t in (grad_out, out))
-        mask = None if attn_mask is None else attn_mask.expand(b, hq, sq, sk)
-        dmask = None if dmask_sum is None else dmask_sum.expand(b, hq, sq, sk)
-        _extension.C.bwd(grad_out, q, k, v, out, lse, dq, dk, dv, float(scale), bool(is_causal),
-                         torch.are_deterministic_algorithms_enabled(), mask, dmask, int(window_left), float(softcap))
-    if dmask_sum is None:
-        return dq, dk, dv, q.new_empty(0)
-    return dq, dk, dv, dmask_sum.reshape(attn_mask.shape).to(attn_mask.dtype)
-# ===== end of the Hopper backward kernel ===========================================================
+    softcap: float = 0.0, sinks: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward op's outputs for a CUDA call our backward kernel does not run (counted under
+    ``backward_fallback:<reason>``): PyTorch's flash backward where it can, else the reference (counted and
+    announced as a reference fallback)."""
+    from torch._dynamo.utils import counters
+
+    counters["fa2_inductor"][f"backward_fallback:{reason}"] += 1
+    if compute_mask_grad or flash_backward_unsupported_reason(q, k, v, attn_mask, is_causal, window_left, softcap,
+                                                              sinks) is not None:
+        note_reference_fallback(f"backward: {reason}")
+        return reference.backward_outputs(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal,
+                                          compute_mask_grad, window_left, softcap, sinks)
+    dq, dk, dv = backward(grad_out, q, k, v, out, lse, scale, is_causal, window_left)
+    dsinks = q.new_empty(0) if sinks is None else sinks_gradient(grad_out, out, lse, sinks)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty(0), dsinks
 
 
 def sinks_gradient(grad_out: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
@@ -212,7 +174,7 @@ def backward_unsupported_reason(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1,
     softcap: float = 0.0, sinks: Optional[Tensor] = None,
 ) -> Optional[str]:
-    """None when the op's backward runs a fast kernel: ours (``backward_kernel``) or else PyTorch's
+    """None when the op's backward runs a fast kernel: ours or else PyTorch's
     flash-attention backward (``backward``)."""
     if q.device.type == "cuda" and backward_kernel_unsupported_reason(
             q, q, k, v, q, attn_mask, is_causal, False, window_left, softcap, sinks) is None:
@@ -285,3 +247,9 @@ def backward(grad_out, q, k, v, out, lse, scale, is_causal, window_left=-1):
         **window,
     )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+if _extension.C is not None:
+    # The extension's CUDA implementations call these where its kernels do not run a call (and for scale 0).
+    _extension.C.set_reference_hooks(reference_fallback, reference.attention_forward, backward_fallback,
+                                     sinks_gradient)

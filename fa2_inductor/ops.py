@@ -163,41 +163,15 @@ def flash_attention_bwd(
     """(dq, dk, dv, dmask, dsinks), all contiguous; dmask is empty unless compute_mask_grad, dsinks unless
     sinks are given. Rows without a visible key (lse = -inf) contribute no gradient, whatever the forward
     returned for them."""
-    return _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left,
-                          softcap, sinks)
-
-
-def _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left,
-                   softcap, sinks):
-    dq, dk, dv, dmask, dsinks = reference.attention_backward(
-        grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left, softcap, sinks
-    )
-    dmask = q.new_empty(0) if dmask is None else dmask.contiguous()
-    dsinks = q.new_empty(0) if dsinks is None else dsinks.contiguous()
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dmask, dsinks
+    return reference.backward_outputs(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad,
+                                      window_left, softcap, sinks)
 
 
 def _flash_attention_bwd_cuda(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad,
                               window_left=-1, softcap=0.0, sinks=None):
-    # Our Hopper backward where it covers the call; else PyTorch's flash backward (counted), else the reference.
-    reason = _cuda.backward_kernel_unsupported_reason(grad_out, q, k, v, out, attn_mask, is_causal, compute_mask_grad,
-                                                      window_left, softcap, sinks)
-    if reason is None:
-        dq, dk, dv, dmask = _cuda.backward_kernel(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal,
-                                                  compute_mask_grad, window_left, softcap)
-    else:
-        from torch._dynamo.utils import counters
-
-        counters["fa2_inductor"][f"backward_fallback:{reason}"] += 1
-        if compute_mask_grad or _cuda.flash_backward_unsupported_reason(q, k, v, attn_mask, is_causal, window_left,
-                                                                        softcap, sinks) is not None:
-            _cuda.note_reference_fallback(f"backward: {reason}")
-            return _reference_bwd(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad,
-                                  window_left, softcap, sinks)
-        dq, dk, dv = _cuda.backward(grad_out, q, k, v, out, lse, scale, is_causal, window_left)
-        dq, dk, dv, dmask = dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty(0)
-    dsinks = q.new_empty(0) if sinks is None else _cuda.sinks_gradient(grad_out, out, lse, sinks)
-    return dq, dk, dv, dmask, dsinks
+    """CUDA calls without the extension: PyTorch's flash backward where it can, else the reference, counted."""
+    return _cuda.backward_fallback(_cuda.KERNEL_NOT_BUILT, grad_out, q, k, v, out, lse, attn_mask, scale, is_causal,
+                                   compute_mask_grad, window_left, softcap, sinks)
 
 
 _register_cuda_kernel(flash_attention_bwd, _flash_attention_bwd_cuda)

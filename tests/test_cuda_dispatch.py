@@ -25,7 +25,7 @@ from fa2_inductor._extension import INTERFACE_VERSION
 ROOT = Path(__file__).resolve().parents[1]
 
 # A stand-in for fa2_inductor._C: records what Python asks of it and, like csrc/api.cpp's TORCH_LIBRARY_IMPL,
-# registers the forward's CUDA implementation when it loads. FUNCTIONS names what it provides.
+# registers both ops' CUDA implementations when it loads. FUNCTIONS names what it provides.
 FAKE_EXTENSION = """
 import importlib.abc, importlib.machinery, sys, types
 import torch
@@ -49,6 +49,8 @@ class FakeLoader(importlib.abc.Loader):
             "compiled_kernels": _record("compiled_kernels", [(64, "bf16")]),
             "limits": _record("limits", {}),
             "kernel_unsupported_reason": _record("kernel_unsupported_reason", "a reason from C++"),
+            "backward_kernel_unsupported_reason": _record("backward_kernel_unsupported_reason", "a backward reason"),
+            "bwd": _record("bwd"),
             "forward": _record("forward"),
             "set_reference_hooks": _record("set_reference_hooks"),
             "fwd": _record("fwd"), "fwd_masked": _record("fwd_masked"), "fill_empty_rows": _record("fill_empty_rows"),
@@ -59,7 +61,8 @@ class FakeLoader(importlib.abc.Loader):
             setattr(module, name, every[name])
         if REGISTERS_CUDA:
             module.library = torch.library.Library("fa2_inductor", "IMPL")
-            module.library.impl("flash_attention_fwd", _cuda_impl, "CUDA")
+            for name in ("flash_attention_fwd", "flash_attention_bwd"):
+                module.library.impl(name, _cuda_impl, "CUDA")
 
 class FakeFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
@@ -70,7 +73,8 @@ sys.meta_path.insert(0, FakeFinder())
 """
 
 FULL = ("compiled_kernels", "limits", "kernel_unsupported_reason", "forward", "set_reference_hooks", "fwd",
-        "fwd_masked", "fill_empty_rows", "interface_version", "set_persistent_forward")
+        "fwd_masked", "fill_empty_rows", "interface_version", "set_persistent_forward", "bwd",
+        "backward_kernel_unsupported_reason")
 
 
 
@@ -124,11 +128,12 @@ with warnings.catch_warnings(record=True) as caught:
 assert not [w for w in caught if "verrid" in str(w.message)], [str(w.message) for w in caught]  # no kernel replaced
 from fa2_inductor import _cuda, _extension, reference
 assert _extension.C is not None and _extension.status == "loaded"
-# The forward's CUDA kernel is the extension's; the backward (no C++ one yet) is Python's.
-assert "custom_ops.py" not in cuda_kernel_source("flash_attention_fwd"), cuda_kernel_source("flash_attention_fwd")
-assert "custom_ops.py" in cuda_kernel_source("flash_attention_bwd")
-# The extension can call the reference back.
-assert calls[-1] == ("set_reference_hooks", (_cuda.reference_fallback, reference.attention_forward)), calls[-1]
+# Both ops' CUDA kernels are the extension's.
+for op_name in ("flash_attention_fwd", "flash_attention_bwd"):
+    assert "custom_ops.py" not in cuda_kernel_source(op_name), cuda_kernel_source(op_name)
+# The extension can call the reference and the backward's fallback back.
+hooks = (_cuda.reference_fallback, reference.attention_forward, _cuda.backward_fallback, _cuda.sinks_gradient)
+assert calls[-1] == ("set_reference_hooks", hooks), calls[-1]
 
 # The support rules are asked with metadata: (sizes, strides, dtype, device, address or None).
 q = torch.zeros(2, 8, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
@@ -147,6 +152,20 @@ with FakeTensorMode():
     fake = torch.empty(1, 2, 8, 64, dtype=torch.bfloat16, device="cuda")
     _cuda.kernel_unsupported_reason(fake, fake, fake, None, True)
 assert calls[-1][1][0] == ((1, 2, 8, 64), (1024, 512, 64, 1), torch.bfloat16, torch.device("cuda:0"), None), calls[-1]
+
+# The backward's rule too, with the deterministic mode the kernel would run in.
+g = torch.zeros(2, 4, 8, 64, dtype=torch.bfloat16)
+previous = torch.are_deterministic_algorithms_enabled()
+try:
+    torch.use_deterministic_algorithms(True)
+    assert _cuda.backward_kernel_unsupported_reason(g, q, kv, kv, g, mask, True, False, 5, 30.0) == "a backward reason"
+finally:
+    torch.use_deterministic_algorithms(previous)
+name, (g_meta, q_meta, _, _, out_meta, mask_meta, *flags) = calls[-1]
+assert name == "backward_kernel_unsupported_reason"
+assert g_meta == ((2, 4, 8, 64), (2048, 512, 64, 1), torch.bfloat16, torch.device("cpu"), g.data_ptr()), g_meta
+assert q_meta[:2] == ((2, 4, 8, 64), (2048, 64, 256, 1)) and mask_meta[0] == (2, 1, 1, 8)
+assert flags == [True, False, 5, 30.0, False, True], flags
 
 # forward runs the extension's CUDA path with the op's arguments, in the binding's order.
 out, lse = reference.empty_outputs(q, kv)
@@ -240,3 +259,32 @@ def test_python_cuda_kernel_checks_inputs_then_falls_back_as_kernel_not_built(fr
         out, _ = ops._flash_attention_fwd_cuda(q, k, v, mask, 0.3, True, -1, 2)
     assert fresh_counters["reference_fallback:kernel not built"] == 1
     assert torch.equal(out, reference.attention_reference(q, k, v, mask, 0.3, True, -1, 2)[0])
+
+
+def test_backward_fallback_counts_and_runs_the_reference_off_cuda(fresh_counters):
+    """The backward's Python fallback (which the extension calls back): counted under backward_fallback:<reason>;
+    off CUDA, PyTorch's flash backward cannot run, so the reference gives the op's outputs (counted, announced)."""
+    q, k, v, mask = _qkv()
+    additive = torch.where(mask, 0.0, -3.0)
+    out, lse = reference.attention_reference(q, k, v, additive, 0.3, False)
+    g = torch.randn_like(out)
+    with pytest.warns(UserWarning, match="reference implementation: backward: reason C"):
+        got = _cuda.backward_fallback("reason C", g, q, k, v, out, lse, additive, 0.3, False, True)
+    want = reference.backward_outputs(g, q, k, v, out, lse, additive, 0.3, False, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert got[3].shape == additive.shape and got[4].numel() == 0
+    assert dict(fresh_counters) == {"backward_fallback:reason C": 1, "reference_fallback:backward: reason C": 1}
+
+
+def test_python_cuda_backward_falls_back_as_kernel_not_built(fresh_counters):
+    """The backward's CUDA implementation of an install without the extension (called here on CPU tensors)."""
+    q, k, v, mask = _qkv()
+    out, lse = reference.attention_reference(q, k, v, mask, 0.3, True)
+    g = torch.randn_like(out)
+    with pytest.warns(UserWarning, match="reference implementation: backward: kernel not built"):
+        got = ops._flash_attention_bwd_cuda(g, q, k, v, out, lse, mask, 0.3, True, False)
+    want = reference.backward_outputs(g, q, k, v, out, lse, mask, 0.3, True, False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert dict(fresh_counters) == {"backward_fallback:kernel not built": 1,
+                                    "reference_fallback:backward: kernel not built": 1}
+

@@ -12,6 +12,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "mask.hpp"
+#include "bwd_params.h"  // kMaxHeadRatio
 #include "params.h"
 #include "softmax.hpp"  // acc_rowcol_layout, quad_sum
 
@@ -34,8 +35,6 @@ template <> struct BwdMaskArgsFor<MaskKind::kNone> { using type = NoBwdMaskArgs;
 
 constexpr int kMaskListWarps = 4;  // warps (CTAs listed, or class rows ranked) per CTA of the list kernels
 
-// Largest query-head group a step entry can name (head_in_group << 17 | m_block << 1 | partial).
-constexpr int kMaxHeadRatio = 1 << 14;
 
 // Top-left causal positions of block (m_block, n_block): query i sees key j iff j <= i and, with a
 // window (window_left >= 0), j >= i - window_left. 0: no query of the block sees a key of it, 1: every

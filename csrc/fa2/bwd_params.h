@@ -8,6 +8,10 @@
 
 namespace fa2 {
 
+// Largest query-head group a backward step entry can name (head_in_group << 17 | m_block << 1 | partial);
+// the op's support rule (api.cpp) refuses larger groups.
+constexpr int kMaxHeadRatio = 1 << 14;
+
 struct BwdParams {
   // Device pointers. q/o/dout/dq: [B, Hq, Sq, D]; k/v/dk/dv: [B, Hkv, Sk, D], all through strides.
   const void* q = nullptr;

@@ -22,8 +22,6 @@ from fa2_inductor.reference import attention_backward, attention_reference  # no
 
 if _extension.C is None:
     pytest.skip(f"fa2_inductor._C not loaded: {_extension.status}", allow_module_level=True)
-if not hasattr(_extension.C, "bwd"):
-    pytest.skip("fa2_inductor._C built without the backward kernel", allow_module_level=True)
 
 from tests.gpu.kernel_inputs import COMPILED, DEV, DTYPES, make_qkv, needs_kernel  # noqa: E402
 from tests.gpu.kernel_inputs import BACKWARD_HEAD_DIMS as HEAD_DIMS  # noqa: E402  (kernels of their own)
@@ -426,7 +424,8 @@ def test_deterministic_mode_follows_torch_flag():
     previous = torch.are_deterministic_algorithms_enabled()
     try:
         torch.use_deterministic_algorithms(True)
-        runs = [_cuda.backward_kernel(g, q, k, v, out, lse, None, 0.1, False, False) for _ in range(2)]
+        runs = [torch.ops.fa2_inductor.flash_attention_bwd(g, q, k, v, out, lse, None, 0.1, False, False)
+                for _ in range(2)]
     finally:
         torch.use_deterministic_algorithms(previous)
     assert all(torch.equal(a, b) for a, b in zip(runs[0][:3], runs[1][:3]))

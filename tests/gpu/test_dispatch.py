@@ -140,13 +140,13 @@ def _assert_same_bits(got, expected):
     assert torch.equal(lse, ref_lse)
 
 
-def test_the_cuda_implementations_are_the_extensions_forward_and_pythons_backward():
+def test_the_cuda_implementations_of_both_ops_are_the_extensions():
     def cuda_kernel(name):
         dump = torch._C._dispatch_dump(f"fa2_inductor::{name}")
         return next(line for line in dump.splitlines() if line.startswith("CUDA:"))
 
-    assert "api.cpp" in cuda_kernel("flash_attention_fwd"), cuda_kernel("flash_attention_fwd")
-    assert "custom_ops.py" in cuda_kernel("flash_attention_bwd"), cuda_kernel("flash_attention_bwd")
+    for name in ("flash_attention_fwd", "flash_attention_bwd"):
+        assert "api.cpp" in cuda_kernel(name), cuda_kernel(name)
     assert C.limits()["max_head_dim"] == ops.MAX_HEAD_DIM  # the op's limit and the kernels' are one number
 
 
@@ -387,3 +387,50 @@ def test_softcap_and_sinks_run_on_the_kernel_through_the_cpp_path(fresh_counters
                  (pad, 0.125, True, -1, int(EmptyRows.ALL_KEYS), 30.0, None)]:
         _assert_same_bits(op(q, k, v, *args), launches_from_python(q, k, v, *args))
     assert not any(key.startswith("reference_fallback") for key in fresh_counters), dict(fresh_counters)
+
+
+def _backward_call(mask=None, is_causal=True):
+    q, k, v = make_qkv(1, 4, 2, 200, 200, D, DTYPES[DT], seed=11)
+    out, lse = op(q, k, v, mask, 0.125, is_causal)
+    g = torch.randn_like(q)
+    return g, q, k, v, out, lse
+
+
+def test_backward_runs_the_kernel_through_the_cpp_path(fresh_counters):
+    """The C++ CUDA implementation gives what the binding's launches give, in contiguous outputs (both in
+    deterministic mode, which it follows: dQ's atomics would differ in the last bits otherwise)."""
+    g, q, k, v, out, lse = _backward_call()
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        dq, dk, dv, dmask, dsinks = torch.ops.fa2_inductor.flash_attention_bwd(g, q, k, v, out, lse, None, 0.125,
+                                                                               True, False)
+        expected = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
+        C.bwd(g, q, k, v, out, lse, *expected, 0.125, True, True, None, None, -1, 0.0)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert all(torch.equal(got, want) and got.is_contiguous() for got, want in zip((dq, dk, dv), expected))
+    assert dmask.numel() == 0 and dsinks.numel() == 0
+    assert not fresh_counters, dict(fresh_counters)
+
+
+def test_backward_fallbacks_through_the_cpp_path_are_counted(monkeypatch, fresh_counters):
+    """With our backward kernel switched off, the C++ path calls Python back: PyTorch's flash backward where it
+    can (no mask), the reference where it cannot (an additive mask whose gradient is asked for)."""
+    monkeypatch.setenv("FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL", "1")
+    reason = "backward kernel disabled (FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL=1)"
+    g, q, k, v, out, lse = _backward_call()
+    got = torch.ops.fa2_inductor.flash_attention_bwd(g, q, k, v, out, lse, None, 0.125, True, False)
+    for a, b in zip(got[:3], _cuda.backward(g, q, k, v, out, lse, 0.125, True)):
+        torch.testing.assert_close(a, b)  # PyTorch's flash backward adds dQ with atomics
+    assert dict(fresh_counters) == {f"backward_fallback:{reason}": 1}
+    bias = torch.randn(1, 1, 200, 200, device=DEV)
+    g, q, k, v, out, lse = _backward_call(bias, is_causal=False)
+    with pytest.warns(UserWarning, match="reference implementation: backward: backward kernel disabled"):
+        got = torch.ops.fa2_inductor.flash_attention_bwd(g, q, k, v, out, lse, bias, 0.125, False, True)
+    want = reference.backward_outputs(g, q, k, v, out, lse, bias, 0.125, False, True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert fresh_counters[f"backward_fallback:{reason}"] == 2
+    assert fresh_counters[f"reference_fallback:backward: {reason}"] == 1
+
