@@ -1,7 +1,7 @@
-// fa2_inductor._C: the Hopper forward kernel behind the op fa2_inductor::flash_attention_fwd.
-// The only file that includes torch. Python owns the op's schema, fake and autograd (fa2_inductor/ops.py);
-// loading this module registers the op's CUDA implementation (TORCH_LIBRARY_IMPL at the end), so a call
-// goes from the dispatcher to C++ without Python on the kernel's path.
+// fa2_inductor._C: the Hopper kernels behind the ops fa2_inductor::flash_attention_fwd and flash_attention_bwd.
+// The only file that includes torch. Python owns the ops' schemas, fakes and autograd (fa2_inductor/ops.py);
+// loading this module registers their CUDA implementations (TORCH_LIBRARY_IMPL at the end), so a call goes
+// from the dispatcher to C++ without Python on the kernels' path.
 //
 // Sections, in order:
 //   kernel table     the compiled (head dim, dtype) entries, from csrc/kernel_table.py
@@ -13,6 +13,8 @@
 //                    tensor metadata, so the graph pass (fake tensors) and explain ask it too
 //   reference hooks  the Python reference the CUDA path calls where the kernel does not run
 //   the op           its CUDA implementation: checks, support, outputs, special cases, empty-row policies
+//   backward         bwd: checked arguments -> fa2::BwdParams -> launches; the backward op's support rule and
+//                    CUDA implementation, with Python's fallback
 //   registration     TORCH_LIBRARY_IMPL and the Python bindings
 #include <torch/extension.h>
 #include <c10/cuda/CUDAException.h>
