@@ -272,26 +272,11 @@ def attention_backward(
     return (*grads, dmask, dsink)
 
 
-def backward_outputs(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    attn_mask: Optional[Tensor],
-    scale: float,
-    is_causal: bool,
-    compute_mask_grad: bool,
-    window_left: int = -1,
-    softcap: float = 0.0,
-    sinks: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``attention_backward`` as the backward op returns it: dq, dk, dv, dmask, dsinks, all contiguous, dmask
-    and dsinks empty where not asked for."""
-    dq, dk, dv, dmask, dsinks = attention_backward(
-        grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left, softcap, sinks
-    )
+def backward_outputs(*args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``attention_backward(*args)`` as the backward op returns it: dq, dk, dv, dmask, dsinks, all contiguous,
+    dmask and dsinks empty where not asked for."""
+    q = args[1]
+    dq, dk, dv, dmask, dsinks = attention_backward(*args)
     dmask = q.new_empty(0) if dmask is None else dmask.contiguous()
     dsinks = q.new_empty(0) if dsinks is None else dsinks.contiguous()
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dmask, dsinks
