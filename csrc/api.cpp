@@ -1,7 +1,8 @@
 // fa2_inductor._C: the Hopper kernels behind the ops fa2_inductor::flash_attention_fwd and flash_attention_bwd.
 // The only file that includes torch. Python owns the ops' schemas, fakes and autograd (fa2_inductor/ops.py);
-// loading this module registers their CUDA implementations (TORCH_LIBRARY_IMPL at the end), so a call goes
-// from the dispatcher to C++ without Python on the kernels' path.
+// loading this module registers their CUDA implementations and, for CUDA tensors, the same autograd formula
+// in C++ (TORCH_LIBRARY_IMPL at the end), so a call goes from the dispatcher to C++ without Python on the
+// kernels' path.
 //
 // Sections, in order:
 //   kernel table     the compiled (head dim, dtype) entries, from csrc/kernel_table.py
@@ -15,6 +16,7 @@
 //   the op           its CUDA implementation: checks, support, outputs, special cases, empty-row policies
 //   backward         bwd: checked arguments -> fa2::BwdParams -> launches; the backward op's support rule and
 //                    CUDA implementation, with Python's fallback
+//   autograd (CUDA)  flash_attention_fwd's autograd formula for CUDA tensors, as ops.py's
 //   registration     TORCH_LIBRARY_IMPL and the Python bindings
 #include <torch/extension.h>
 #include <c10/cuda/CUDAException.h>
@@ -1112,6 +1114,89 @@ void register_bwd(pybind11::module_& m) {
         pybind11::arg("deterministic"));
 }
 // ===== end of the backward kernel binding ========================================================
+
+// ------------------------------------------------------------------------------------ autograd (CUDA)
+
+namespace {
+
+using FwdOpSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                          const std::optional<at::Tensor>&, double, bool, int64_t,
+                                                          int64_t, double, const std::optional<at::Tensor>&);
+using BwdOpSignature = BwdOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, bool,
+                                  bool, int64_t, double, const std::optional<at::Tensor>&);
+
+// The ops through the dispatcher (their schemas are Python's, defined once fa2_inductor.ops has imported).
+const c10::TypedOperatorHandle<FwdOpSignature>& fwd_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("fa2_inductor::flash_attention_fwd", "")
+                                 .typed<FwdOpSignature>();
+  return handle;
+}
+const c10::TypedOperatorHandle<BwdOpSignature>& bwd_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("fa2_inductor::flash_attention_bwd", "")
+                                 .typed<BwdOpSignature>();
+  return handle;
+}
+
+// flash_attention_fwd's autograd for CUDA tensors: ops.py's register_autograd formula (_setup_context and
+// _backward, which every other device and a build without this module keep), here without Python's
+// autograd machinery on each call. Both ops are called through the dispatcher below autograd, so tracing
+// (fake tensors, AOTAutograd) records them as it records the Python formula's calls.
+struct FlashAttentionAutograd : public torch::autograd::Function<FlashAttentionAutograd> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                                                const at::Tensor& k, const at::Tensor& v,
+                                                const std::optional<at::Tensor>& mask, double scale, bool is_causal,
+                                                int64_t window_left, int64_t empty_rows, double softcap,
+                                                const std::optional<at::Tensor>& sinks) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [out, lse] = fwd_op().call(q, k, v, mask, scale, is_causal, window_left, empty_rows, softcap, sinks);
+    ctx->save_for_backward({q, k, v, out, lse, mask.value_or(at::Tensor()), sinks.value_or(at::Tensor())});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["window_left"] = window_left;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const std::optional<at::Tensor> mask = saved[5].defined() ? std::optional<at::Tensor>(saved[5]) : std::nullopt;
+    const std::optional<at::Tensor> sinks = saved[6].defined() ? std::optional<at::Tensor>(saved[6]) : std::nullopt;
+    // needs_input_grad counts the tensor inputs present: q, k, v, then the mask and the sinks where given.
+    const bool mask_grad = mask.has_value() && ctx->needs_input_grad(3);
+    const bool sinks_grad = sinks.has_value() && ctx->needs_input_grad(mask.has_value() ? 4 : 3);
+    auto [dq, dk, dv, dmask, dsinks] =
+        bwd_op().call(grads[0], q, k, v, out, lse, mask, ctx->saved_data["scale"].toDouble(),
+                      ctx->saved_data["is_causal"].toBool(), mask_grad, ctx->saved_data["window_left"].toInt(),
+                      ctx->saved_data["softcap"].toDouble(), sinks);
+    // One gradient per forward argument: q, k, v, attn_mask, scale, is_causal, window_left, empty_rows,
+    // softcap, sinks.
+    const at::Tensor none;
+    return {dq, dk, dv, mask_grad ? dmask : none, none, none, none, none, none, sinks_grad ? dsinks : none};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_autograd_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+    double scale, bool is_causal, int64_t window_left, int64_t empty_rows, double softcap,
+    const std::optional<at::Tensor>& sinks) {
+  const torch::autograd::variable_list outputs =
+      FlashAttentionAutograd::apply(q, k, v, mask, scale, is_causal, window_left, empty_rows, softcap, sinks);
+  return {outputs[0], outputs[1]};
+}
+
+}  // namespace
+
+// flash_attention_fwd's autograd for CUDA tensors (a dispatch key of its own, so it takes precedence over the
+// Autograd kernel ops.py registers for every device).
+TORCH_LIBRARY_IMPL(fa2_inductor, AutogradCUDA, m) {
+  m.impl("flash_attention_fwd", TORCH_FN(flash_attention_fwd_autograd_cuda));
+}
 
 // The op's CUDA implementations (fa2_inductor/ops.py registers its Python CUDA kernels only where none is
 // registered here: installs without this module).

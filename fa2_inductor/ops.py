@@ -209,6 +209,8 @@ def _backward(ctx, grad_out, _grad_lse):
     return tuple(grads)
 
 
+# The extension registers this same formula in C++ for CUDA tensors (csrc/api.cpp, FlashAttentionAutograd), which
+# takes precedence there; every other device, and CUDA without the extension, runs this one.
 flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 

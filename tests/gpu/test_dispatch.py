@@ -20,7 +20,6 @@ from torch._dynamo.utils import counters
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("needs an sm_90 (Hopper) GPU", allow_module_level=True)
 
-import fa2_inductor  # noqa: E402
 from fa2_inductor import EmptyRows, _cuda, _extension, ops, reference  # noqa: E402
 
 if _extension.C is None:
@@ -302,12 +301,36 @@ def test_opcheck_of_a_reference_fallback():
         torch.library.opcheck(op, (q, k, v, None, 0.1, True))
 
 
-def test_gradients_flow_through_the_python_backward(fresh_counters):
-    q, k, v = make_qkv(1, 4, 4, 256, 256, D, DTYPES[DT], requires_grad=True, seed=9)
-    out = fa2_inductor.flash_attention(q, k, v, is_causal=True)
-    out.float().square().sum().backward()
-    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
-    assert not fresh_counters
+@pytest.mark.parametrize("case", ["plain", "additive_mask", "sinks"])
+def test_cuda_autograd_is_the_extensions_and_gives_the_ops_formula(case, fresh_counters):
+    """CUDA tensors take the C++ autograd (AutogradCUDA in api.cpp), whose gradients are ops.py's formula:
+    the backward op on the forward's (out, lse), the mask's and the sinks' gradients where they require it
+    (deterministic mode: bit-equal)."""
+    dump = torch._C._dispatch_dump("fa2_inductor::flash_attention_fwd")
+    assert "api.cpp" in next(line for line in dump.splitlines() if line.startswith("AutogradCUDA:")), dump
+    q, k, v = make_qkv(1, 4, 2, 200, 200, D, DTYPES[DT], requires_grad=True, seed=9)
+    # A mask of every (batch, head): deterministic mode runs no kernel that sums its gradient over broadcast dims.
+    mask = torch.randn(1, 4, 200, 200, device=DEV, requires_grad=True) if case == "additive_mask" else None
+    sinks = torch.linspace(-1.0, 1.0, 4, device=DEV, requires_grad=True) if case == "sinks" else None
+    leaves = [t for t in (q, k, v, mask, sinks) if t is not None]
+    args = (0.125, case != "additive_mask", -1, 0, 0.0, sinks)
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        out, lse = op(q, k, v, mask, *args)
+        g = torch.randn_like(out)
+        got = torch.autograd.grad(out, leaves, g)
+        with torch.no_grad():
+            out2, lse2 = op(q, k, v, mask, *args)
+            dq, dk, dv, dmask, dsinks = torch.ops.fa2_inductor.flash_attention_bwd(
+                g, q, k, v, out2, lse2, mask, 0.125, args[1], mask is not None, -1, 0.0, sinks)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    want = [dq, dk, dv] + ([dmask] if mask is not None else []) + ([dsinks] if sinks is not None else [])
+    assert torch.equal(out, out2) and not lse.requires_grad
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert not fresh_counters, dict(fresh_counters)
 
 
 @pytest.mark.parametrize("name", ["causal", "key_padding_causal_all_keys", "key_padding_causal_mean_v",
