@@ -25,8 +25,7 @@ if _extension.C is None:
 if not hasattr(_extension.C, "bwd"):
     pytest.skip("fa2_inductor._C built without the backward kernel", allow_module_level=True)
 
-from tests.gpu.kernel_inputs import COMPILED, DEV, DTYPES, make_qkv, needs_kernel  # noqa: E402
-from tests.gpu.kernel_inputs import BACKWARD_HEAD_DIMS as HEAD_DIMS  # noqa: E402  (kernels of their own)
+from tests.gpu.kernel_inputs import COMPILED, DEV, DTYPES, HEAD_DIMS, make_qkv, needs_kernel  # noqa: E402
 
 
 # ---- the three computations compared ----------------------------------------------------------------
