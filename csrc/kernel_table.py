@@ -9,9 +9,8 @@ head dim); the binding's entries for it point at each.
 from __future__ import annotations
 
 HEAD_DIMS = (64, 128, 192, 256)
-# Head dims with backward kernels of their own; another's backward runs on the next larger one (D=192: each
-# backward warpgroup's half of the head dim, 96, fills no whole 128-byte swizzle row).
-BACKWARD_HEAD_DIMS = (64, 128, 256)
+# Head dims with backward kernels of their own; another's backward runs on the next larger one.
+BACKWARD_HEAD_DIMS = (64, 128, 192, 256)
 DTYPES = {"bf16": "kBF16", "fp16": "kFP16"}
 
 FORWARD = "../fa2/launch.hpp"

@@ -47,7 +47,9 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_preprocess(const BwdPrepr
   using T = Traits;
   using Element = typename T::Element;
   constexpr int kVec = 16 / int(sizeof(Element));        // elements per 16-byte load
-  constexpr int kThreadsPerRow = T::kHeadDim / kVec;      // 8, 16 or 32: within one warp
+  constexpr int kVecsPerRow = T::kHeadDim / kVec;          // 8, 16, 24 or 32
+  // A power of two within one warp (the shuffle reduction's); D = 192's 24 loads take 32 lanes, 8 idle.
+  constexpr int kThreadsPerRow = kVecsPerRow > 16 ? 32 : kVecsPerRow > 8 ? 16 : 8;
   constexpr int kRowsPerPass = kPrepostThreads / kThreadsPerRow;
   static_assert(32 % kThreadsPerRow == 0 && T::kBlockM % kRowsPerPass == 0);
   const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;

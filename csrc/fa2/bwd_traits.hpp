@@ -22,8 +22,8 @@ using namespace cute;
 // One CTA owns kBlockN keys of one (batch, kv head) and walks the query tiles (kBlockM rows) of every
 // query head of its group. kSplitKeys: the two MMA warpgroups own 64 keys each, so S^T and dP^T stay in
 // registers and feed dV/dK as register operands (D <= 128). Otherwise (D = 256, where dK and dV of 128
-// keys would not fit in registers) the block has 64 keys, the warpgroups split the query tile for
-// S^T/dP^T and the head dim for dV/dK/dQ, and P goes through shared memory too.
+// keys would not fit in registers; D = 192 too) the block has 64 keys, the warpgroups split the query tile
+// for S^T/dP^T and the head dim for dV/dK/dQ, and P goes through shared memory too.
 // kMasked: a mask kernel (its partial blocks need registers for the mask's bits or values).
 template <int HeadDim, bool kMasked>
 struct BwdTileConfig;
@@ -36,6 +36,11 @@ template <bool kMasked>
 struct BwdTileConfig<128, kMasked> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
   static constexpr bool kSplitKeys = true;
+};
+template <bool kMasked>
+struct BwdTileConfig<192, kMasked> {
+  static constexpr int kBlockM = 64, kBlockN = 64, kStagesQ = 2, kStagesDO = 2;
+  static constexpr bool kSplitKeys = false;
 };
 template <bool kMasked>
 struct BwdTileConfig<256, kMasked> {
@@ -70,7 +75,7 @@ struct BwdTraits {
   // dQ partials: staged in shared memory and added to the float32 accumulator by one warp with bulk
   // reductions (TMA). Without room for the staging buffer (D = 256) the MMA warps add them directly.
   static constexpr bool kStagedDq = kSplitKeys;
-  static_assert(kHeadDim % 64 == 0, "head dim must fill 128-byte swizzle rows");
+  static_assert(kHeadDim % 64 == 0, "head dim must fill whole swizzle rows of either width");
   static_assert(kSplitKeys ? kBlockN == 128 : kBlockN == 64, "one or two 64-key warpgroup slices");
   static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0);
 
@@ -110,15 +115,19 @@ struct BwdTraits {
   using TiledMmaDQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, AtomShapeDQ, GMMA::Major::K, GMMA::Major::MN>(), AtomLayoutDQ{}));
 
-  // Every 16-bit tile keeps one dimension contiguous in 128-byte swizzled rows: Q, dO, K, V (and dK,
-  // dV, dQ staging) the head dim; P and dS (queries, keys) the keys.
+  // Every 16-bit tile keeps one dimension contiguous in swizzled rows: Q, dO, K, V (and dK, dV, dQ
+  // staging) the head dim; P and dS (queries, keys) the keys, in 128-byte rows. The head-dim tiles take
+  // 64-byte rows where a warpgroup's half of the head dim is no multiple of 64 elements (D = 192: 96), so
+  // that the second warpgroup's operands start on a whole swizzle atom.
   using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<TileM, TileD, Int<kStagesQ>>{}));
-  using SmemLayoutDO = decltype(tile_to_shape(SmemAtom{}, Shape<TileM, TileD, Int<kStagesDO>>{}));
-  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<TileN, TileD>{}));
+  static constexpr bool kHalfHeadDimInAtoms = kSplitKeys || (kHeadDim / 2) % 64 == 0;
+  using SmemAtomD = std::conditional_t<kHalfHeadDimInAtoms, SmemAtom, GMMA::Layout_K_SW64_Atom<Element>>;
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomD{}, Shape<TileM, TileD, Int<kStagesQ>>{}));
+  using SmemLayoutDO = decltype(tile_to_shape(SmemAtomD{}, Shape<TileM, TileD, Int<kStagesDO>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomD{}, Shape<TileN, TileD>{}));
   using SmemLayoutV = SmemLayoutK;
   using SmemLayoutPdS = decltype(tile_to_shape(SmemAtom{}, Shape<TileM, TileN, Int<kStagesDS>>{}));
-  using SmemLayoutDQ = decltype(tile_to_shape(SmemAtom{}, Shape<TileM, TileD>{}));  // postprocess staging
+  using SmemLayoutDQ = decltype(tile_to_shape(SmemAtomD{}, Shape<TileM, TileD>{}));  // postprocess staging
   // Transposed views (MN-major operands): Q^T and dO^T as (head dim, queries), K^T as (head dim, keys),
   // P^T and dS^T as (keys, queries).
   using SmemLayoutQt = decltype(composition(

@@ -12,8 +12,7 @@ from fa2_inductor import _extension
 
 COMPILED = {(int(d), str(n)) for d, n in _extension.C.compiled_kernels()}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-HEAD_DIMS = (64, 128, 192, 256)  # the forward kernels; backward: BACKWARD_HEAD_DIMS
-BACKWARD_HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 192, 256)  # the head dims with kernels of their own, forward and backward
 DEV = "cuda"
 
 

@@ -23,8 +23,7 @@ from fa2_inductor.reference import attention_backward, attention_reference  # no
 if _extension.C is None:
     pytest.skip(f"fa2_inductor._C not loaded: {_extension.status}", allow_module_level=True)
 
-from tests.gpu.kernel_inputs import COMPILED, DEV, DTYPES, make_qkv, needs_kernel  # noqa: E402
-from tests.gpu.kernel_inputs import BACKWARD_HEAD_DIMS as HEAD_DIMS  # noqa: E402  (kernels of their own)
+from tests.gpu.kernel_inputs import COMPILED, DEV, DTYPES, HEAD_DIMS, make_qkv, needs_kernel  # noqa: E402
 
 
 # ---- the three computations compared ----------------------------------------------------------------
