@@ -3,8 +3,9 @@
 A random-weight Llama (hidden 2048, 16 heads, 8 KV heads, 4 layers, bf16) runs, in every variant below
 and in the same process, over ``--seqlens`` tokens. Inference phases (the default): a forward pass
 (prefill; batch 1, no padding), one decode step (1 token against a static or a dynamic KV cache of that
-many tokens) and ``generate()`` of 32 greedy tokens after a prompt of that many (a static cache, its decode
-steps compiled the way transformers compiles them: CUDA graphs, the variant's backend; timed per new token).
+many tokens) and ``generate()`` of 32 greedy tokens after a prompt of that many (one static cache per model,
+reset before each call, its decode steps compiled the way transformers compiles them: CUDA graphs, the
+variant's backend; timed per new token).
 Training phases (``--phases train train_padded``): one training step without an optimizer (forward with
 labels, the loss, ``loss.backward()``; the model in train mode, gradients set to None before each step),
 called as a tokenizer and a collator feed it: ``train`` is batch 1 with an ``attention_mask`` of ones,
