@@ -25,27 +25,41 @@ using namespace cute;
 // keys would not fit in registers; D = 192 too) the block has 64 keys, the warpgroups split the query tile
 // for S^T/dP^T and the head dim for dV/dK/dQ, and P goes through shared memory too.
 // kMasked: a mask kernel (its partial blocks need registers for the mask's bits or values).
+// kStagedDq: dQ partials staged in shared memory and added to the float32 accumulator by one warp with bulk
+// reductions (TMA); else the MMA warps add them with float4 atomics. D <= 128 stage them. D = 192 and 256 add
+// directly by default; staging is a sweep's choice, untimed so far: it fits D = 192 as it is (225 of 227 KiB,
+// -DFA2_BWD_STAGED_DQ_HDIM192=1) and D = 256 with one Q and one dO stage (-DFA2_BWD_STAGED_DQ_HDIM256=1
+// -DFA2_BWD_STAGES_HDIM256=1, FlashAttention-3's choice there).
+#ifndef FA2_BWD_STAGED_DQ_HDIM192
+#define FA2_BWD_STAGED_DQ_HDIM192 0
+#endif
+#ifndef FA2_BWD_STAGED_DQ_HDIM256
+#define FA2_BWD_STAGED_DQ_HDIM256 0
+#endif
+#ifndef FA2_BWD_STAGES_HDIM256
+#define FA2_BWD_STAGES_HDIM256 2
+#endif
 template <int HeadDim, bool kMasked>
 struct BwdTileConfig;
 template <bool kMasked>
 struct BwdTileConfig<64, kMasked> {
   static constexpr int kBlockM = kMasked ? 64 : 128, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
-  static constexpr bool kSplitKeys = true;
+  static constexpr bool kSplitKeys = true, kStagedDq = true;
 };
 template <bool kMasked>
 struct BwdTileConfig<128, kMasked> {
   static constexpr int kBlockM = 64, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
-  static constexpr bool kSplitKeys = true;
+  static constexpr bool kSplitKeys = true, kStagedDq = true;
 };
 template <bool kMasked>
 struct BwdTileConfig<192, kMasked> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStagesQ = 2, kStagesDO = 2;
-  static constexpr bool kSplitKeys = false;
+  static constexpr bool kSplitKeys = false, kStagedDq = FA2_BWD_STAGED_DQ_HDIM192;
 };
 template <bool kMasked>
 struct BwdTileConfig<256, kMasked> {
-  static constexpr int kBlockM = 64, kBlockN = 64, kStagesQ = 2, kStagesDO = 2;
-  static constexpr bool kSplitKeys = false;
+  static constexpr int kBlockM = 64, kBlockN = 64, kStagesQ = FA2_BWD_STAGES_HDIM256, kStagesDO = FA2_BWD_STAGES_HDIM256;
+  static constexpr bool kSplitKeys = false, kStagedDq = FA2_BWD_STAGED_DQ_HDIM256;
 };
 
 // Named barrier ids of the backward kernel (CUTLASS's NamedBarrier adds its reserved offset).
@@ -72,9 +86,7 @@ struct BwdTraits {
   static constexpr MaskKind kMask = Mask_;
   static_assert(!(kCausal && kMask != MaskKind::kNone), "masked kernels take causal at run time (BwdKernelArgs)");
   using MaskArgsT = typename BwdMaskArgsFor<Mask_>::type;
-  // dQ partials: staged in shared memory and added to the float32 accumulator by one warp with bulk
-  // reductions (TMA). Without room for the staging buffer (D = 256) the MMA warps add them directly.
-  static constexpr bool kStagedDq = kSplitKeys;
+  static constexpr bool kStagedDq = Config::kStagedDq;
   static_assert(kHeadDim % 64 == 0, "head dim must fill whole swizzle rows of either width");
   static_assert(kSplitKeys ? kBlockN == 128 : kBlockN == 64, "one or two 64-key warpgroup slices");
   static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0);
