@@ -72,3 +72,19 @@ def test_tiny_training_steps_check_loss_and_gradients(tmp_path, monkeypatch):
     document = json.loads(out.read_text())
     assert {r["phase"] for r in document["results"]} == set(bench_e2e.TRAINING_PHASES)
     assert all("grad_rel_diff" in r and "backward_fallbacks" in r for r in document["results"])
+
+
+def test_generate_reuses_one_static_cache_per_model_reset_before_each_call():
+    """A new cache per generate() call would move the CUDA graphs' static inputs (re-recorded in the timed calls);
+    the reused one must be reset, or a second call would append to the first call's keys (and soon overflow)."""
+    workload = bench_e2e.Generation(bench_e2e.TINY_SHAPE, torch.float32, torch.device("cpu"), 12)
+    model = bench_e2e.build_model(bench_e2e.TINY_SHAPE, "sdpa", torch.float32, torch.device("cpu"),
+                                  12 + bench_e2e.GENERATED_TOKENS)
+    with torch.no_grad():
+        first = workload.tokens(model, None, 4)
+        cache = workload.caches[model]
+        filled = int(cache.get_seq_length())
+        second = workload.tokens(model, None, 4)
+    assert workload.caches[model] is cache and len(workload.caches) == 1  # the reference model's is gone
+    assert int(cache.get_seq_length()) == filled == 12 + 4 - 1  # each call starts from an empty cache
+    assert torch.equal(first, second) and torch.equal(first, workload.reference[:, :4])
