@@ -77,10 +77,10 @@ def test_tiny_training_steps_check_loss_and_gradients(tmp_path, monkeypatch):
 def test_generate_reuses_one_static_cache_per_model_reset_before_each_call():
     """A new cache per generate() call would move the CUDA graphs' static inputs (re-recorded in the timed calls);
     the reused one must be reset, or a second call would append to the first call's keys (and soon overflow)."""
-    workload = bench_e2e.Generation(bench_e2e.TINY_SHAPE, torch.float32, torch.device("cpu"), 12)
-    model = bench_e2e.build_model(bench_e2e.TINY_SHAPE, "sdpa", torch.float32, torch.device("cpu"),
-                                  12 + bench_e2e.GENERATED_TOKENS)
-    with torch.no_grad():
+    with torch.random.fork_rng(), torch.no_grad():  # build_model seeds the global generator
+        workload = bench_e2e.Generation(bench_e2e.TINY_SHAPE, torch.float32, torch.device("cpu"), 12)
+        model = bench_e2e.build_model(bench_e2e.TINY_SHAPE, "sdpa", torch.float32, torch.device("cpu"),
+                                      12 + bench_e2e.GENERATED_TOKENS)
         first = workload.tokens(model, None, 4)
         cache = workload.caches[model]
         filled = int(cache.get_seq_length())
