@@ -130,7 +130,7 @@ def decode_rows(args: argparse.Namespace) -> int:
                 gbps = f"{record['ours_gbps']:.0f}" if record["ours_gbps"] else "-"
                 print(f"{form:<8}{context:>6}{batch:>4}{cells}   {ratio:<18}{gbps:>8}")
                 write_json(args.json, {"environment": env, "decode_rows": records})
-    print(f"(microseconds per call, median of {reps}, timed in turns; Hq/Hkv {HEADS_Q}/{HEADS_KV}, d{HEAD_DIM}, bf16, Sq 1; "
-          f"static: {STATIC_CACHE_LEN}-slot cache with a bool mask; GB/s: filled K/V bytes over our time)")
+    print(f"(microseconds per call, median of {reps}, timed in turns; Hq/Hkv {HEADS_Q}/{HEADS_KV}, d{HEAD_DIM}, bf16, "
+          f"Sq 1; static: {STATIC_CACHE_LEN}-slot cache with a bool mask; GB/s: filled K/V bytes over our time)")
     print(f"JSON: {args.json}")
     return 1 if failed else 0

@@ -233,7 +233,8 @@ def masked_backward_rows(args: argparse.Namespace) -> int:
     print(environment_line(env))
     runner = _Runner(args, device, torch.compile(flex_attention, dynamic=False))
     print(f"masked training: bf16, D={HEAD_DIM}, heads={runner.heads}, batch·seqlen={args.tokens}; forward + "
-          f"backward, median of {args.reps} after {args.warmup} warm-up calls, timed in turns; TFLOP/s over the visible pairs "
+          f"backward, median of {args.reps} after {args.warmup} warm-up calls, timed in turns; TFLOP/s over the "
+          "visible pairs "
           f"({MODES['fwd+bwd']} x 4·B·H·pairs·D); xN = Flex's time over ours (above 1: ours faster)")
     print(f"{'mask':<22}{'seqlen':>7}{'batch':>6}{'visible':>9}  {'implementation':<45}{'ms':>10}{'TFLOP/s':>10}"
           f"{'vs flex':>10}")

@@ -164,7 +164,8 @@ def _end_to_end(doc: dict, source: str) -> list[str]:
                 forms = _rewrite_forms(r.get("counters") or {}) if forms == "-" else forms
             rows.append(row + [forms])
         title = {"prefill": "prefill (the whole sequence)",
-                 "generate": "generate (ms per new token, 32 greedy tokens after the prompt, one static cache per model, reset before each call)",
+                 "generate": "generate (ms per new token, 32 greedy tokens after the prompt, one static cache per "
+                             "model, reset before each call)",
                  "train": "train (one training step: forward with labels, loss, backward; attention_mask of ones)",
                  "train_padded": "train_padded (one training step, batch 2, the second row right-padded to 3/4)"}.get(
             phase, f"{phase} (one token after the cache)")

@@ -53,7 +53,7 @@ class Row:
     sites_total: int = 0  # sites the pass recognised: rewritten + refused
     refusals: dict = field(default_factory=dict)  # reason -> count
     refusal_details: list = field(default_factory=list)  # "reason: detail", each once
-    other_softmaxes: list = field(default_factory=list)  # why each softmax the pass saw is over no q·kᵀ scores, once each
+    other_softmaxes: list = field(default_factory=list)  # why each softmax seen is over no q·kᵀ scores, once each
     max_abs_diff: Optional[float] = None
     error: str = ""  # build or run failure, one line
     note: str = ""  # what else was seen (e.g. SDPA calls the pass did not recognise)
