@@ -20,8 +20,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import _cuda
 from ..ops import flash_attention
-from .cases import CAUSAL_CHOICES, DTYPES, Cell, attention_flops, sweep_cells, tflops
-from .measure import describe_exception
+from .cases import CAUSAL_CHOICES, DTYPES, Cell, attention_flops, sweep_cells
+from .measure import describe_exception, timing_row
 from .plot import draw_plot
 from .report import environment, environment_line, write_json
 from .timing import medians_in_turns
@@ -116,11 +116,7 @@ def measure_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> 
     for mode, factor in MODES.items():
         calls = {name: steps[mode](forward, out) for name, (forward, out, _) in checked.items()}
         for name, ms in medians_in_turns(calls, [()], device, warmup=args.warmup, reps=args.reps).items():
-            if isinstance(ms, Exception):
-                record["modes"][mode][name] = {"status": "error", "reason": describe_exception(ms)}
-            else:
-                record["modes"][mode][name] = {"status": "ok", "ms": ms, "tflops": tflops(factor * forward_flops, ms),
-                                               "max_abs_error": checked[name][2]}
+            record["modes"][mode][name] = {**timing_row(ms, factor * forward_flops), "max_abs_error": checked[name][2]}
     record["modes"] = {mode: {name: rows[name] for name in args.impls} for mode, rows in record["modes"].items()}
     return record
 

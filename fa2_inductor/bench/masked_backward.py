@@ -28,8 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .. import _cuda
 from ..ops import flash_attention
 from .backward import MODES, gradients_close
-from .cases import tflops
-from .measure import describe_exception
+from .measure import describe_exception, timing_row
 from .report import environment, environment_line, write_json
 from .timing import keep_busy, medians_in_turns
 
@@ -184,10 +183,7 @@ class _Runner:
         keep_busy(lambda: [call() for call in calls.values()], self.device)  # Flex's compile clocked the GPU down
         for name, ms in medians_in_turns(calls, [()], self.device, warmup=self.args.warmup,
                                          reps=self.args.reps).items():
-            if isinstance(ms, Exception):
-                rows[name].update(status="error", reason=describe_exception(ms))
-            else:
-                rows[name].update(status="ok", ms=ms, tflops=tflops(flops, ms))
+            rows[name].update(timing_row(ms, flops))
 
     def record(self, case: MaskCase, batch: int, seqlen: int) -> dict:
         visible = int(case.dense.expand(batch, 1, seqlen, seqlen).sum())

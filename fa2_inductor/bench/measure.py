@@ -33,6 +33,13 @@ def describe_exception(exc: Exception) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:400]
 
 
+def timing_row(median_ms: "float | Exception", flops: float) -> dict:
+    """One timed call's JSON row: ``ok`` with its median ms and TFLOP/s, or ``error`` with what it raised."""
+    if isinstance(median_ms, Exception):
+        return {"status": "error", "reason": describe_exception(median_ms)}
+    return {"status": "ok", "ms": median_ms, "tflops": tflops(flops, median_ms)}
+
+
 def _refusal_reason(exc: Exception, caught: list[warnings.WarningMessage]) -> str:
     # SDPA says why a backend declined in warnings, then raises a generic "no kernel" error.
     lines = [str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip()]
