@@ -135,7 +135,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   // Heaviest-first tiles (causal, masks) have every head's K/V in flight: long ones run one CTA per tile.
   const bool heaviest_first = T::kCausal || T::kMask != MaskKind::kNone;
-  const bool stride = !heaviest_first || p.seqlen_q <= T::Config::kCausalStrideMaxSeqlenQ;
+  const bool stride = !heaviest_first || p.seqlen_q <= T::Config::kHeaviestFirstStrideMaxSeqlenQ;
   const dim3 grid = forward_grid(num_m_blocks, p.heads_q, p.batch, T::kPersistent, stride ? p.num_sms : 0);
   kernel<<<grid, T::kThreads, smem_bytes, stream>>>(args);
   return cudaGetLastError();

@@ -7,8 +7,8 @@ namespace fa2 {
 // kLongBlockM: the rows per CTA of unmasked calls with at least kLongMinSeqlenQ query rows (0: kBlockM always).
 // kBlockN: key rows per pipeline stage.  kStages: K/V shared-memory stages.
 // kPersistent: one CTA per SM runs many query tiles (tile_scheduler.hpp); it needs O staged apart
-// from Q, which D=256's shared memory has no room for. kCausalStrideMaxSeqlenQ: causal calls stride only
-// up to this many query rows, one CTA per tile above. Measured on the H200 (striding vs one CTA per tile,
+// from Q, which D=256's shared memory has no room for. kHeaviestFirstStrideMaxSeqlenQ: calls whose tiles run
+// heaviest first (causal, masks) stride only up to this many query rows, one CTA per tile above. Measured on the H200 (striding vs one CTA per tile,
 // 16k tokens): D=64 1.24x / 1.17x / 1.10x at 512 / 1k / 2k, 0.97-1.04x above; D=128 1.08x / 1.00x at
 // 512 / 1k, 0.93-0.95x from 2k (heaviest-first striding has every head's K/V in flight at once).
 template <int HeadDim, bool Causal>
@@ -73,7 +73,7 @@ struct TileConfig<64, Causal> {
   static constexpr int kBlockN = FA2_TILE_N_HDIM64, kStages = 3;
   static constexpr int kLongBlockM = Causal ? FA2_TILE_M_HDIM64 : 0, kLongMinSeqlenQ = 8192;
   static constexpr bool kPersistent = true;
-  static constexpr int kCausalStrideMaxSeqlenQ = 2048;
+  static constexpr int kHeaviestFirstStrideMaxSeqlenQ = 2048;
 };
 template <bool Causal>
 struct TileConfig<128, Causal> {
@@ -81,7 +81,7 @@ struct TileConfig<128, Causal> {
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM128, kStages = 2;
   static constexpr bool kPersistent = true;
   static constexpr int kLongBlockM = 0, kLongMinSeqlenQ = 0;
-  static constexpr int kCausalStrideMaxSeqlenQ = 1024;
+  static constexpr int kHeaviestFirstStrideMaxSeqlenQ = 1024;
 };
 // D=192: key blocks of 64 (the mask's bit rows and block grid take multiples of 64; 128 keys in two
 // stages would not fit): Q 48 KB + three K and three V stages (72 KB each); O is staged in Q's buffer
@@ -92,7 +92,7 @@ struct TileConfig<192, Causal> {
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM192, kStages = FA2_STAGES_HDIM192;
   static constexpr bool kPersistent = FA2_PERSISTENT_HDIM192;
   static constexpr int kLongBlockM = 0, kLongMinSeqlenQ = 0;
-  static constexpr int kCausalStrideMaxSeqlenQ = 0;
+  static constexpr int kHeaviestFirstStrideMaxSeqlenQ = 0;
 };
 template <bool Causal>
 struct TileConfig<256, Causal> {
@@ -100,7 +100,7 @@ struct TileConfig<256, Causal> {
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM256, kStages = 2;
   static constexpr bool kPersistent = false;
   static constexpr int kLongBlockM = 0, kLongMinSeqlenQ = 0;
-  static constexpr int kCausalStrideMaxSeqlenQ = 0;
+  static constexpr int kHeaviestFirstStrideMaxSeqlenQ = 0;
 };
 
 }  // namespace fa2
