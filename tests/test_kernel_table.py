@@ -1,0 +1,36 @@
+"""csrc/kernel_table.py: the build's compile units, one per (head dim, dtype, variant), heaviest first."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def table():
+    spec = importlib.util.spec_from_file_location("kernel_table", ROOT / "csrc" / "kernel_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _header_of(source: str) -> str:
+    return next(line for line in source.splitlines() if line.startswith("#include")).split('"')[1]
+
+
+def test_every_selected_kernel_has_one_unit(table):
+    units = table.compile_units([64, 128], ["bf16"])
+    variants = {path.rsplit("/", 1)[1] for path in units}
+    expected = {f"hdim{d}_bf16_{variant}.cu" for d in (64, 128) for variant in table.VARIANTS}
+    assert variants == expected | {f"{unit}.cu" for unit in table.SHARED_UNITS}
+
+
+def test_units_come_heaviest_first(table):
+    units = table.compile_units(table.HEAD_DIMS, table.DTYPES)
+    kernel_headers = [_header_of(source) for path, source in units.items() if "/hdim" in path]
+    ranks = [table.BUILD_ORDER.index(header) for header in kernel_headers]
+    assert ranks == sorted(ranks) and set(ranks) == set(range(len(table.BUILD_ORDER)))
+    shared = [path for path in units if "/hdim" not in path]
+    assert list(units)[-len(shared):] == shared  # the shared units are short: they go last
