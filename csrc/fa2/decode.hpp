@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include "params.h"
+#include "pdl.hpp"
 #include "smem_limit.hpp"
 #include "softcap.hpp"
 
@@ -197,6 +198,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
   constexpr int kChunks = HeadDim / 8;  // 16-byte chunks per row
   const FwdParams& p = args.p;
   const Plan& plan = args.plan;
+  allow_dependent_grid();  // the combine kernel may launch now; it waits for these partial rows
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* q_smem = reinterpret_cast<T*>(smem_raw);
@@ -459,6 +461,7 @@ template <DType Dt>
 __global__ void __launch_bounds__(32 * kCombineRowsPerCta) decode_combine_kernel(const Args args) {
   using T = typename Element<Dt>::T;
   __shared__ float weights[kCombineRowsPerCta][kCombineMaxSplits];
+  wait_for_prior_grid();  // the split kernel's partial rows (pdl.hpp)
   const FwdParams& p = args.p;
   const Plan& plan = args.plan;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -617,8 +620,8 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int64_t combine_ctas = (plan.partial_rows + kCombineRowsPerCta - 1) / kCombineRowsPerCta;
-  decode_combine_kernel<Dt><<<unsigned(combine_ctas), 32 * kCombineRowsPerCta, 0, stream>>>(args);
-  return cudaGetLastError();
+  return launch_after_prior_grid(&decode_combine_kernel<Dt>, dim3(unsigned(combine_ctas)),
+                                 dim3(32 * kCombineRowsPerCta), 0, stream, args);
 }
 
 }  // namespace fa2

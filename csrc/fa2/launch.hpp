@@ -121,9 +121,11 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
     classify_mask_blocks<T::kBlockM, T::kBlockN, T::kMask>
         <<<class_grid, kClassifyThreads, 0, stream>>>(mk, p.seqlen_q, p.seqlen_k);
     const int64_t class_rows = int64_t(mk.class_batches) * mk.class_heads * mk.class_m_blocks;
-    list_visited_blocks<kListWarps><<<unsigned((class_rows + kListWarps - 1) / kListWarps), 32 * kListWarps, 0, stream>>>(
-        mk, class_rows);
     cudaError_t prepass_err = cudaGetLastError();
+    if (prepass_err != cudaSuccess) return prepass_err;
+    prepass_err = launch_after_prior_grid(&list_visited_blocks<kListWarps>,
+                                          dim3(unsigned((class_rows + kListWarps - 1) / kListWarps)),
+                                          dim3(32 * kListWarps), 0, stream, mk, class_rows);
     if (prepass_err != cudaSuccess) return prepass_err;
   }
 
@@ -137,6 +139,9 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const bool heaviest_first = T::kCausal || T::kMask != MaskKind::kNone;
   const bool stride = !heaviest_first || p.seqlen_q <= T::Config::kHeaviestFirstStrideMaxSeqlenQ;
   const dim3 grid = forward_grid(num_m_blocks, p.heads_q, p.batch, T::kPersistent, stride ? p.num_sms : 0);
+  if constexpr (T::kMask != MaskKind::kNone) {  // right after the pre-pass, whose lists it reads
+    return launch_after_prior_grid(kernel, grid, dim3(T::kThreads), smem_bytes, stream, args);
+  }
   kernel<<<grid, T::kThreads, smem_bytes, stream>>>(args);
   return cudaGetLastError();
 }
