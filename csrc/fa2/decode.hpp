@@ -462,6 +462,7 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerCta) decode_combine_kernel
   using T = typename Element<Dt>::T;
   __shared__ float weights[kCombineRowsPerCta][kCombineMaxSplits];
   wait_for_prior_grid();  // the split kernel's partial rows (pdl.hpp)
+  allow_dependent_grid();  // the empty-row pass, if one follows
   const FwdParams& p = args.p;
   const Plan& plan = args.plan;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

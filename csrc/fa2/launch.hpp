@@ -139,7 +139,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const bool heaviest_first = T::kCausal || T::kMask != MaskKind::kNone;
   const bool stride = !heaviest_first || p.seqlen_q <= T::Config::kHeaviestFirstStrideMaxSeqlenQ;
   const dim3 grid = forward_grid(num_m_blocks, p.heads_q, p.batch, T::kPersistent, stride ? p.num_sms : 0);
-  if constexpr (T::kMask != MaskKind::kNone) {  // right after the pre-pass, whose lists it reads
+  if (T::kMask != MaskKind::kNone || p.after_own_kernel) {  // right after the pre-pass or our masked call
     return launch_after_prior_grid(kernel, grid, dim3(T::kThreads), smem_bytes, stream, args);
   }
   kernel<<<grid, T::kThreads, smem_bytes, stream>>>(args);

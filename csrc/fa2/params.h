@@ -58,6 +58,10 @@ struct FwdParams {
   MaskDType mask_dtype = MaskDType::kBool;
   int64_t mask_batch_stride = 0, mask_head_stride = 0, mask_row_stride = 0, mask_col_stride = 0;
   void* mask_workspace = nullptr;
+
+  // The launch comes right after one of this library's kernels on the stream, so it may overlap that
+  // kernel's end (programmatic dependent launch, pdl.hpp). Masked kernels overlap their own pre-pass always.
+  bool after_own_kernel = false;
 };
 
 // The instantiations are generated at build time from csrc/kernel_table.py.
@@ -91,6 +95,7 @@ struct EmptyRowsParams {
   int64_t o_batch_stride = 0, o_head_stride = 0, o_row_stride = 0;
   int64_t lse_batch_stride = 0, lse_head_stride = 0;
   int64_t v_batch_stride = 0, v_head_stride = 0, v_row_stride = 0;
+  bool after_own_kernel = false;  // as FwdParams::after_own_kernel
 };
 
 template <DType Dt>
