@@ -58,15 +58,15 @@ def compile_units(head_dims, dtypes) -> dict[str, str]:
     """{path relative to the repo: source} of every compile unit of a build, in BUILD_ORDER."""
     units = {}
     for header in BUILD_ORDER:
-        for d, name, variant in ((d, name, variant) for d in sorted(head_dims) for name in sorted(dtypes)
-                                 for variant in VARIANTS):
-            what, variant_header, lines = VARIANTS[variant]
-            if variant_header != header or (header == BACKWARD and d not in BACKWARD_HEAD_DIMS):
-                continue
-            body = "\n".join(line.format(d=d, t=DTYPES[name]) for line in lines)
-            units[f"{GENERATED_DIR}/hdim{d}_{name}_{variant}.cu"] = (
-                f"// Generated from csrc/kernel_table.py: head dim {d}, {name}, {what}.\n"
-                f'#include "{header}"\n{body}\n')
+        for d in sorted(head_dims):
+            for name in sorted(dtypes):
+                for variant, (what, variant_header, lines) in VARIANTS.items():
+                    if variant_header != header or (header == BACKWARD and d not in BACKWARD_HEAD_DIMS):
+                        continue
+                    body = "\n".join(line.format(d=d, t=DTYPES[name]) for line in lines)
+                    units[f"{GENERATED_DIR}/hdim{d}_{name}_{variant}.cu"] = (
+                        f"// Generated from csrc/kernel_table.py: head dim {d}, {name}, {what}.\n"
+                        f'#include "{header}"\n{body}\n')
     for unit, (what, source) in SHARED_UNITS.items():
         units[f"{GENERATED_DIR}/{unit}.cu"] = f"// Generated from csrc/kernel_table.py: {what}.\n{source}"
     return units

@@ -7,10 +7,11 @@ namespace fa2 {
 // kLongBlockM: the rows per CTA of unmasked calls with at least kLongMinSeqlenQ query rows (0: kBlockM always).
 // kBlockN: key rows per pipeline stage.  kStages: K/V shared-memory stages.
 // kPersistent: one CTA per SM runs many query tiles (tile_scheduler.hpp); it needs O staged apart
-// from Q, which D=256's shared memory has no room for. kHeaviestFirstStrideMaxSeqlenQ: calls whose tiles run
-// heaviest first (causal, masks) stride only up to this many query rows, one CTA per tile above. Measured on the H200 (striding vs one CTA per tile,
-// 16k tokens): D=64 1.24x / 1.17x / 1.10x at 512 / 1k / 2k, 0.97-1.04x above; D=128 1.08x / 1.00x at
-// 512 / 1k, 0.93-0.95x from 2k (heaviest-first striding has every head's K/V in flight at once).
+// from Q, which D=256's shared memory has no room for. kHeaviestFirstStrideMaxSeqlenQ: calls whose tiles
+// run heaviest first (causal, masks) stride only up to this many query rows, one CTA per tile above.
+// Measured on the H200 (striding vs one CTA per tile, 16k tokens): D=64 1.24x / 1.17x / 1.10x at 512 / 1k
+// / 2k, 0.97-1.04x above; D=128 1.08x / 1.00x at 512 / 1k, 0.93-0.95x from 2k (heaviest-first striding
+// has every head's K/V in flight at once).
 template <int HeadDim, bool Causal>
 struct TileConfig;
 
