@@ -79,7 +79,9 @@ struct KernelEntry {
   fa2::DType dtype;
   const char* dtype_name;
   RunFn run[2];                    // [causal]
-  RunFn run_masked[2][2];          // [0: bool mask, 1: additive mask][causal]; null: not compiled
+  // [0: bool mask, 1: additive mask][causal]: the bool-mask kernel takes causal at run time; null: not
+  // compiled (additive with causal).
+  RunFn run_masked[2][2];
   WorkspaceFn masked_workspace[2]; // device bytes the masked forward needs, [bool, additive]
   DecodeRunFn run_decode;          // split-KV for Sq <= kDecodeMaxSeqlenQ (every mask, causal/window)
   WorkspaceFn decode_workspace;
@@ -89,9 +91,9 @@ struct KernelEntry {
 #define FA2_ENTRY(D, DT, NAME)                                                                               \
   KernelEntry{D, fa2::DType::DT, NAME,                                                                       \
               {&fa2::run_fwd<D, fa2::DType::DT, false>, &fa2::run_fwd<D, fa2::DType::DT, true>},            \
-              {{&fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kBool, false>,                        \
-                &fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kBool, true>},                        \
-               {&fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kAdditive, false>, nullptr}},          \
+              {{&fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kBool>,                               \
+                &fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kBool>},                               \
+               {&fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kAdditive>, nullptr}},                 \
               {&fa2::masked_workspace_bytes<D, fa2::DType::DT, fa2::MaskKind::kBool>,                        \
                &fa2::masked_workspace_bytes<D, fa2::DType::DT, fa2::MaskKind::kAdditive>},                   \
               &fa2::run_decode<D, fa2::DType::DT>, &fa2::decode_workspace_bytes<D, fa2::DType::DT>},

@@ -81,6 +81,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   }
 
   const SoftcapFactors softcap = softcap_factors(p.scale, p.softcap);
+  const bool causal = T::kMask == MaskKind::kBool ? p.causal : T::kCausal;  // see causal_positions
   KernelArgs<T> args{
       make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q)), lq),
                     typename T::SmemLayoutQ{}, Shape<typename T::TileM, typename T::TileD>{}, _1{}),
@@ -99,7 +100,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
       p.seqlen_q,
       p.seqlen_k,
       p.heads_q / p.heads_kv,
-      T::kCausal ? p.window_left : -1,
+      causal,
+      causal ? p.window_left : -1,
       p.scale,
       softcap.in,
       softcap.out,
@@ -157,9 +159,9 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
   return launch_fwd<KernelTraits<HeadDim, Dt, Causal>>(params, stream);
 }
 
-template <int HeadDim, DType Dt, MaskKind Kind, bool Causal>
+template <int HeadDim, DType Dt, MaskKind Kind>
 cudaError_t run_fwd_masked(const FwdParams& params, cudaStream_t stream) {
-  return launch_fwd<KernelTraits<HeadDim, Dt, Causal, Kind>>(params, stream);
+  return launch_fwd<KernelTraits<HeadDim, Dt, false, Kind>>(params, stream);
 }
 
 template <int HeadDim, DType Dt, MaskKind Kind>
@@ -172,8 +174,8 @@ int64_t masked_workspace_bytes(const FwdParams& params) {
 // One explicit instantiation per generated compile unit (csrc/kernel_table.py).
 #define FA2_INSTANTIATE_FWD(HDIM, DT, CAUSAL) \
   template cudaError_t fa2::run_fwd<HDIM, fa2::DType::DT, CAUSAL>(const fa2::FwdParams&, cudaStream_t);
-#define FA2_INSTANTIATE_FWD_MASKED(HDIM, DT, KIND, CAUSAL)                                                  \
-  template cudaError_t fa2::run_fwd_masked<HDIM, fa2::DType::DT, fa2::MaskKind::KIND, CAUSAL>(              \
-      const fa2::FwdParams&, cudaStream_t);
+#define FA2_INSTANTIATE_FWD_MASKED(HDIM, DT, KIND)                                                          \
+  template cudaError_t fa2::run_fwd_masked<HDIM, fa2::DType::DT, fa2::MaskKind::KIND>(const fa2::FwdParams&, \
+                                                                                      cudaStream_t);
 #define FA2_INSTANTIATE_MASK_WORKSPACE(HDIM, DT, KIND) \
   template int64_t fa2::masked_workspace_bytes<HDIM, fa2::DType::DT, fa2::MaskKind::KIND>(const fa2::FwdParams&);

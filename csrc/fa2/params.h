@@ -68,9 +68,9 @@ struct FwdParams {
 template <int HeadDim, DType Dt, bool Causal>
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream);
 
-// Masked forward (with Causal: the mask and the causal/window positions both apply): classification
+// Masked forward (with params.causal, the mask and the causal/window positions both apply): classification
 // pre-pass, then the main kernel.
-template <int HeadDim, DType Dt, MaskKind Kind, bool Causal>
+template <int HeadDim, DType Dt, MaskKind Kind>
 cudaError_t run_fwd_masked(const FwdParams& params, cudaStream_t stream);
 
 // Device workspace the masked forward needs for these params (sizes and mask strides set).
