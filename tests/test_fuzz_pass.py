@@ -136,7 +136,6 @@ def _causal(sq, sk, how):
 
 def make_attention(case):
     d = case["dim"]
-    heads = case["kv_heads"] * case["n_rep"]
 
     def scale_q_k(q, k):
         root = d**-0.25

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.utils import counters
 
 import fa2_inductor
 from fa2_inductor import _cuda

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fa2_inductor
-from tests.pass_checks import compile_and_compare, op_calls, pass_counts, qkv
+from tests.pass_checks import compile_and_compare, pass_counts, qkv
 
 _LOWEST = torch.finfo(torch.float32).min
 
@@ -62,7 +62,7 @@ def _codegen_like(fill, scale_kind="number"):
 def test_scale_after_a_where_built_mask_scales_its_fill(cpu_pass, fill):
     """The mask stays a where() of constants (fill / c): its structure is proven, causal with a data term."""
     q, k, v = qkv()
-    code = compile_and_compare(_codegen_like(fill), q, k, v, _key_padding(q, k), rewrites=1)
+    compile_and_compare(_codegen_like(fill), q, k, v, _key_padding(q, k), rewrites=1)
     assert pass_counts()["rewrites:is_causal+key_mask"] == 1, pass_counts()
 
 
