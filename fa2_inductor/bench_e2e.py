@@ -25,7 +25,8 @@ the gradients of the first layer's q/k/v projections and the last layer's o_proj
 It prints ms and the ratio to "sdpa + Inductor" per phase and length, with how many attention sites the
 pass rewrote (decode steps must never be slower than plain Inductor) and how many op calls fell back
 (to the reference; training: backward calls that did not run our backward kernel), and writes everything,
-with every fa2_inductor counter, to ``--json``. ``--tiny`` runs a 2-layer float32 model on CPU with the pass
+with every fa2_inductor counter, to ``--json`` (rewritten after every variant: a run cut short keeps what
+it finished). ``--tiny`` runs a 2-layer float32 model on CPU with the pass
 enabled there (``config.rewrite_on_cpu``), which is what the test uses.
 """
 
@@ -419,7 +420,20 @@ def main(argv=None) -> list:
         shape, dtype, device = LLAMA_SHAPE, torch.bfloat16, torch.device("cuda")
     seqlens = args.seqlens or ([16, 32] if args.tiny else [2048, 8192])
     variants = [v for v in VARIANTS if v.name in args.variants]
+    document = {
+        "environment": environment(device),
+        "model": {**shape, "dtype": str(dtype), "batch": 1},  # train_padded: 2
+        "settings": {"phases": args.phases, "seqlens": seqlens, "warmup": args.warmup, "reps": args.reps, "tiny": args.tiny},
+        "results": [],
+    }
     results = []
+
+    def keep(finished: list) -> None:
+        """Adds results and rewrites the JSON, so a run cut short keeps every variant it finished."""
+        results.extend(finished)
+        document["results"] = [asdict(r) for r in results]
+        write_json(args.json, document)
+
     for phase in args.phases:
         for seqlen in seqlens:
             if phase == "generate":
@@ -433,21 +447,13 @@ def main(argv=None) -> list:
                 finished = run_generations(variants, workload, shape, dtype, device, args)
                 for r in finished:
                     _print_progress(r)
+                keep(finished)
             else:
-                finished = []
                 for variant in variants:
-                    finished.append(run(variant, workload, shape, dtype, device, args))
-                    _print_progress(finished[-1])
-            results.extend(finished)
+                    keep([run(variant, workload, shape, dtype, device, args)])
+                    _print_progress(results[-1])
             del workload
     print(format_table(results))
-    document = {
-        "environment": environment(device),
-        "model": {**shape, "dtype": str(dtype), "batch": 1},  # train_padded: 2
-        "settings": {"phases": args.phases, "seqlens": seqlens, "warmup": args.warmup, "reps": args.reps, "tiny": args.tiny},
-        "results": [asdict(r) for r in results],
-    }
-    write_json(args.json, document)
     print(f"\nwrote {args.json}")
     return results
 

@@ -88,3 +88,27 @@ def test_generate_reuses_one_static_cache_per_model_reset_before_each_call():
     assert workload.caches[model] is cache and len(workload.caches) == 1  # the reference model's is gone
     assert int(cache.get_seq_length()) == filled == 12 + 4 - 1  # each call starts from an empty cache
     assert torch.equal(first, second) and torch.equal(first, workload.reference[:, :4])
+
+
+def test_a_run_cut_short_keeps_the_variants_it_finished(tmp_path, monkeypatch):
+    """The JSON is rewritten after every variant: a run stopped (time limit, crash) in its second variant
+    leaves the first one's result on disk."""
+    out = tmp_path / "e2e.json"
+    monkeypatch.setattr(fa2_inductor.config, "rewrite_on_cpu", fa2_inductor.config.rewrite_on_cpu)
+    run = bench_e2e.run
+    calls = []
+
+    def run_then_stop(*args, **kwargs):
+        calls.append(args[0].name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a time limit's signal looks like to the loop
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(bench_e2e, "run", run_then_stop)
+    argv = ["--tiny", "--phases", "prefill", "--seqlens", "16", "--warmup", "0", "--reps", "1", "--json", str(out),
+            "--variants", "eager", "sdpa"]
+    with pytest.raises(KeyboardInterrupt):
+        bench_e2e.main(argv)
+    document = json.loads(out.read_text())
+    assert [(r["phase"], r["variant"]) for r in document["results"]] == [("prefill", "eager")]
+    assert document["results"][0]["median_ms"] > 0

@@ -190,6 +190,6 @@ def mask_rows(args: argparse.Namespace) -> int:
           "timed in turns")
     for seqlen in args.seqlens:
         rows.at_seqlen(seqlen)
-    write_json(args.json, {"environment": env, "mask_rows": rows.records})
+        write_json(args.json, {"environment": env, "mask_rows": rows.records})  # a run cut short keeps these
     print(f"JSON: {args.json}")
     return 1 if rows.failed else 0

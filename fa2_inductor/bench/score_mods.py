@@ -79,10 +79,10 @@ def score_mod_rows(args: argparse.Namespace) -> int:
                       "tflops": {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items()},
                       "softcap_cost": ms["softcap"] / ms["plain"] - 1, "vs_flex": ms["flex_softcap"] / ms["softcap"]}
             records.append(record)
+            write_json(args.json, {"environment": env, "score_mod_rows": records})  # a run cut short keeps these
             t = record["tflops"]
             print(f"d={d:<4} s={seqlen:<6} b={batch:<4}{t['plain']:>10.0f}{t['softcap']:>10.0f}{t['sinks']:>10.0f}"
                   f"{t['flex_softcap']:>14.0f}  {100 * record['softcap_cost']:+10.1f}%  x{record['vs_flex']:.2f}")
     print("(TFLOP/s, causal; softcap cost = softcap / plain time - 1; vs flex = flex time / ours, > 1: ours faster)")
-    write_json(args.json, {"environment": env, "score_mod_rows": records})
     print(f"JSON: {args.json}")
     return 1 if failed else 0
