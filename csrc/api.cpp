@@ -972,7 +972,6 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
 
 namespace {
 
-
 // None when our backward kernel runs the call, else a short reason: what the forward kernels cover (masks,
 // causal positions and windows, alone or together; soft-capping), less soft-capping with an additive mask.
 // Sinks need nothing of the kernel: the LSE holds them and the sinks_gradient hook gives theirs. The one

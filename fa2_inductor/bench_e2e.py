@@ -431,7 +431,7 @@ def main(argv=None) -> list:
     def keep(finished: list) -> None:
         """Adds results and rewrites the JSON, so a run cut short keeps every variant it finished."""
         results.extend(finished)
-        document["results"] = [asdict(r) for r in results]
+        document["results"].extend(asdict(r) for r in finished)
         write_json(args.json, document)
 
     for phase in args.phases:

@@ -35,7 +35,6 @@ template <> struct BwdMaskArgsFor<MaskKind::kNone> { using type = NoBwdMaskArgs;
 
 constexpr int kMaskListWarps = 4;  // warps (CTAs listed, or class rows ranked) per CTA of the list kernels
 
-
 // Top-left causal positions of block (m_block, n_block): query i sees key j iff j <= i and, with a
 // window (window_left >= 0), j >= i - window_left. 0: no query of the block sees a key of it, 1: every
 // query sees every key, 2: partial.
