@@ -79,7 +79,9 @@ struct KernelEntry {
   fa2::DType dtype;
   const char* dtype_name;
   RunFn run[2];                    // [causal]
-  RunFn run_masked[2][2];          // [0: bool mask, 1: additive mask][causal]; null: not compiled
+  // [0: bool mask, 1: additive mask][causal]: the bool-mask kernel takes causal at run time; null: not
+  // compiled (additive with causal).
+  RunFn run_masked[2][2];
   WorkspaceFn masked_workspace[2]; // device bytes the masked forward needs, [bool, additive]
   DecodeRunFn run_decode;          // split-KV for Sq <= kDecodeMaxSeqlenQ (every mask, causal/window)
   WorkspaceFn decode_workspace;
@@ -89,9 +91,9 @@ struct KernelEntry {
 #define FA2_ENTRY(D, DT, NAME)                                                                               \
   KernelEntry{D, fa2::DType::DT, NAME,                                                                       \
               {&fa2::run_fwd<D, fa2::DType::DT, false>, &fa2::run_fwd<D, fa2::DType::DT, true>},            \
-              {{&fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kBool, false>,                        \
-                &fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kBool, true>},                        \
-               {&fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kAdditive, false>, nullptr}},          \
+              {{&fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kBool>,                               \
+                &fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kBool>},                               \
+               {&fa2::run_fwd_masked<D, fa2::DType::DT, fa2::MaskKind::kAdditive>, nullptr}},                 \
               {&fa2::masked_workspace_bytes<D, fa2::DType::DT, fa2::MaskKind::kBool>,                        \
                &fa2::masked_workspace_bytes<D, fa2::DType::DT, fa2::MaskKind::kAdditive>},                   \
               &fa2::run_decode<D, fa2::DType::DT>, &fa2::decode_workspace_bytes<D, fa2::DType::DT>},
@@ -284,10 +286,10 @@ void check_launch(const char* fn, cudaError_t err) {
 }
 
 // rows_filter (optional, float32 with lse's shape and strides): only query tiles holding a row that is
-// -inf there run; the others leave out and lse untouched.
+// -inf there run; the others leave out and lse untouched. after_own_kernel: see fa2::FwdParams.
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
          double scale, bool is_causal, int64_t window_left, const std::optional<at::Tensor>& rows_filter,
-         double softcap, const std::optional<at::Tensor>& sinks) {
+         double softcap, const std::optional<at::Tensor>& sinks, bool after_own_kernel = false) {
   constexpr const char* fn = "fa2_inductor._C.fwd";
   auto [p, sinks_f32] = describe_forward(fn, q, k, v, out, lse, scale, is_causal, window_left, softcap, sinks);
   if (rows_filter.has_value()) {
@@ -297,6 +299,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
                 fn, ": rows_filter must be float32 with lse's shape and strides");
     p.rows_filter = f.data_ptr<float>();
   }
+  p.after_own_kernel = after_own_kernel;
   const KernelEntry& entry = kernel_for(fn, q);
   if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return;
   c10::cuda::CUDAGuard guard(q.device());
@@ -380,7 +383,7 @@ void fwd_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
 // Rewrites the rows the forward left empty (lse = -inf) to the mean of V over all keys, or, given
 // source ([B, Hq, Sq, D] like out), to source's rows (the op's empty_rows policies).
 void fill_empty_rows(at::Tensor& out, const at::Tensor& lse, const at::Tensor& v,
-                     const std::optional<at::Tensor>& source) {
+                     const std::optional<at::Tensor>& source, bool after_own_kernel = false) {
   constexpr const char* fn = "fa2_inductor._C.fill_empty_rows";
   check_operand(out, "out", out);
   check_operand(v, "v", out);
@@ -411,6 +414,7 @@ void fill_empty_rows(at::Tensor& out, const at::Tensor& lse, const at::Tensor& v
   p.v_batch_stride = v.stride(0);
   p.v_head_stride = v.stride(1);
   p.v_row_stride = v.stride(2);
+  p.after_own_kernel = after_own_kernel;
   if (source.has_value()) {
     const at::Tensor& src = *source;
     FA2_CHECK(src.device() == out.device() && src.scalar_type() == out.scalar_type() && src.sizes() == out.sizes() &&
@@ -753,14 +757,15 @@ void forward(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, a
   } else {
     fwd(q, k, v, out, lse, scale, is_causal, window_left, std::nullopt, softcap, sinks);
   }
+  // The passes below each follow a kernel of ours on the stream and overlap its end (pdl.hpp).
   if (empty_rows == int64_t(EmptyRows::kMeanV)) {
-    fill_empty_rows(out, lse, v, std::nullopt);
+    fill_empty_rows(out, lse, v, std::nullopt, /*after_own_kernel=*/true);
   } else if (empty_rows == int64_t(EmptyRows::kAllKeys)) {
     // Unmasked (still soft-capped) attention for the query tiles holding an empty row (the others exit at
     // once), then those rows copied over. Sinks never come here: they leave no row empty.
     auto [unmasked, unmasked_lse] = empty_outputs(q, v);
-    fwd(q, k, v, unmasked, unmasked_lse, scale, false, -1, lse, softcap, std::nullopt);
-    fill_empty_rows(out, lse, v, unmasked);
+    fwd(q, k, v, unmasked, unmasked_lse, scale, false, -1, lse, softcap, std::nullopt, /*after_own_kernel=*/true);
+    fill_empty_rows(out, lse, v, unmasked, /*after_own_kernel=*/true);
   }
 }
 
@@ -1207,7 +1212,13 @@ TORCH_LIBRARY_IMPL(fa2_inductor, CUDA, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.doc() = "fa2_inductor Hopper (sm_90a) FlashAttention forward kernel";
-  m.def("fwd", &fwd, "Attention forward into preallocated out [B,Hq,Sq,D] and lse [B,Hq,Sq] (float32)",
+  m.def("fwd",
+        [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+           double scale, bool is_causal, int64_t window_left, const std::optional<at::Tensor>& rows_filter,
+           double softcap, const std::optional<at::Tensor>& sinks) {
+          fwd(q, k, v, out, lse, scale, is_causal, window_left, rows_filter, softcap, sinks);
+        },
+        "Attention forward into preallocated out [B,Hq,Sq,D] and lse [B,Hq,Sq] (float32)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
         py::arg("is_causal"), py::arg("window_left"), py::arg("rows_filter") = py::none(), py::arg("softcap") = 0.0,
         py::arg("sinks") = py::none());
@@ -1220,7 +1231,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
         py::arg("mask") = py::none(), py::arg("is_causal") = false, py::arg("window_left") = -1,
         py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
-  m.def("fill_empty_rows", &fill_empty_rows, "Rows with lse = -inf get the mean of V over all keys, or source's rows when given",
+  m.def("fill_empty_rows",
+        [](at::Tensor& out, const at::Tensor& lse, const at::Tensor& v, const std::optional<at::Tensor>& source) {
+          fill_empty_rows(out, lse, v, source);
+        },
+        "Rows with lse = -inf get the mean of V over all keys, or source's rows when given",
         py::arg("out"), py::arg("lse"), py::arg("v"), py::arg("source") = py::none());
   m.def("forward", &forward,
         "The op's CUDA path into preallocated out and lse (for calls kernel_unsupported_reason accepts): special "

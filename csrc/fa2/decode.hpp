@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include "params.h"
+#include "pdl.hpp"
 #include "smem_limit.hpp"
 #include "softcap.hpp"
 
@@ -197,6 +198,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
   constexpr int kChunks = HeadDim / 8;  // 16-byte chunks per row
   const FwdParams& p = args.p;
   const Plan& plan = args.plan;
+  allow_dependent_grid();  // the combine kernel may launch now; it waits for these partial rows
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* q_smem = reinterpret_cast<T*>(smem_raw);
@@ -459,6 +461,8 @@ template <DType Dt>
 __global__ void __launch_bounds__(32 * kCombineRowsPerCta) decode_combine_kernel(const Args args) {
   using T = typename Element<Dt>::T;
   __shared__ float weights[kCombineRowsPerCta][kCombineMaxSplits];
+  wait_for_prior_grid();  // the split kernel's partial rows (pdl.hpp)
+  allow_dependent_grid();  // the empty-row pass, if one follows
   const FwdParams& p = args.p;
   const Plan& plan = args.plan;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -525,8 +529,47 @@ inline int sm_count() {
   return counts[device];
 }
 
-// Enough CTAs for two per SM, never fewer keys per split than a block, never more blocks than a word holds.
-template <int HeadDim>
+// Split kernels one SM holds at once (shared memory and registers decide; asked once per device, which
+// also raises the kernel's shared-memory limit, before any CUDA graph capture).
+template <int HeadDim, DType Dt>
+int resident_ctas_per_sm() {
+  static int counts[64] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 1;
+  if (counts[device] == 0) {
+    constexpr int smem_bytes = Smem<HeadDim, Dt>::kBytes;
+    int n = 0;
+    if (allow_dynamic_smem<&decode_split_kernel<HeadDim, Dt>>(smem_bytes) == cudaSuccess) {
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_split_kernel<HeadDim, Dt>, kThreads, smem_bytes);
+    }
+    counts[device] = n > 0 ? n : 1;
+  }
+  return counts[device];
+}
+
+// How many splits the keys of `num_blocks` blocks get when each split launches `ctas` CTAs and `slots` CTAs
+// run at once. The time is about (waves of CTAs) x (blocks per CTA + one block's worth of fixed cost: the
+// CTA's prologue and its rows in the combine), so a last wave that fills a few SMs costs a whole wave:
+// e.g. 64 CTAs per split on 264 slots take 4 splits (one wave), not 5 (two). The fewest splits of the
+// cheapest count win; a split holds at most kMaxBlocksPerSplit blocks; more splits than fill two waves
+// never pay.
+inline int choose_splits(int64_t ctas, int num_blocks, int64_t slots) {
+  const int fewest = std::max(1, (num_blocks + kMaxBlocksPerSplit - 1) / kMaxBlocksPerSplit);
+  const int64_t two_waves = (2 * slots + ctas - 1) / ctas;
+  const int most = int(std::max<int64_t>(fewest, std::min<int64_t>(num_blocks, two_waves)));
+  int best = fewest;
+  int64_t best_cost = INT64_MAX;
+  for (int wanted = fewest; wanted <= most; ++wanted) {
+    const int blocks_per_split = (num_blocks + wanted - 1) / wanted;
+    const int splits = (num_blocks + blocks_per_split - 1) / blocks_per_split;  // none left empty
+    const int64_t waves = (ctas * splits + slots - 1) / slots;
+    const int64_t cost = waves * (blocks_per_split + 1);
+    if (cost < best_cost) best = splits, best_cost = cost;
+  }
+  return best;
+}
+
+template <int HeadDim, DType Dt>
 Plan make_plan(const FwdParams& p) {
   constexpr int kBlockN = Config<HeadDim>::kBlockN;
   Plan plan;
@@ -534,11 +577,9 @@ Plan make_plan(const FwdParams& p) {
   plan.row_tiles = (plan.groups * p.seqlen_q + kRows - 1) / kRows;
   plan.num_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
   const int64_t ctas = int64_t(p.batch) * p.heads_kv * plan.row_tiles;
-  const int64_t wanted = (2 * int64_t(sm_count()) + ctas - 1) / ctas;
-  int64_t splits = std::min<int64_t>(std::max<int64_t>(wanted, 1), plan.num_blocks);
-  splits = std::max<int64_t>(splits, (plan.num_blocks + kMaxBlocksPerSplit - 1) / kMaxBlocksPerSplit);
-  plan.blocks_per_split = int((plan.num_blocks + splits - 1) / splits);
-  plan.splits = int((plan.num_blocks + plan.blocks_per_split - 1) / plan.blocks_per_split);
+  const int64_t slots = int64_t(sm_count()) * resident_ctas_per_sm<HeadDim, Dt>();
+  plan.splits = choose_splits(ctas, plan.num_blocks, slots);
+  plan.blocks_per_split = (plan.num_blocks + plan.splits - 1) / plan.splits;
   plan.partial_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   const int64_t floats = int64_t(plan.splits) * plan.partial_rows * (p.head_dim + 2);
   plan.workspace_bytes = (floats * int64_t(sizeof(float)) + 255) / 256 * 256;
@@ -549,7 +590,7 @@ Plan make_plan(const FwdParams& p) {
 
 template <int HeadDim, DType Dt>
 int64_t decode_workspace_bytes(const FwdParams& p) {
-  return decode::make_plan<HeadDim>(p).workspace_bytes;
+  return decode::make_plan<HeadDim, Dt>(p).workspace_bytes;
 }
 
 template <int HeadDim, DType Dt>
@@ -561,7 +602,7 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
     return cudaErrorInvalidValue;
   }
   const SoftcapFactors softcap = softcap_factors(p.scale, p.softcap);
-  Args args{p, make_plan<HeadDim>(p), nullptr, nullptr, nullptr, softcap.in, softcap.out};
+  Args args{p, make_plan<HeadDim, Dt>(p), nullptr, nullptr, nullptr, softcap.in, softcap.out};
   const Plan& plan = args.plan;
   if (plan.splits > kMaxGridDim || int64_t(p.batch) * p.heads_kv * plan.row_tiles > 0x7fffffff) {
     return cudaErrorInvalidConfiguration;
@@ -580,8 +621,8 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int64_t combine_ctas = (plan.partial_rows + kCombineRowsPerCta - 1) / kCombineRowsPerCta;
-  decode_combine_kernel<Dt><<<unsigned(combine_ctas), 32 * kCombineRowsPerCta, 0, stream>>>(args);
-  return cudaGetLastError();
+  return launch_after_prior_grid(&decode_combine_kernel<Dt>, dim3(unsigned(combine_ctas)),
+                                 dim3(32 * kCombineRowsPerCta), 0, stream, args);
 }
 
 }  // namespace fa2

@@ -15,6 +15,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "params.h"
+#include "pdl.hpp"
 
 namespace fa2 {
 
@@ -23,6 +24,7 @@ static_assert(kEmptyRowsThreads >= kMaxHeadDim, "one thread per head-dim column"
 
 template <class Element>
 __global__ void __launch_bounds__(kEmptyRowsThreads) fill_empty_rows_kernel(const EmptyRowsParams p) {
+  wait_for_prior_grid();  // the LSE (and source) the kernel before wrote
   const int row0 = blockIdx.x * kEmptyRowsThreads;
   const int head = blockIdx.y, batch = blockIdx.z;
   const int row = row0 + int(threadIdx.x);
@@ -76,6 +78,9 @@ cudaError_t run_fill_empty_rows(const EmptyRowsParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0 || p.seqlen_k == 0) return cudaSuccess;
   if (p.head_dim > kMaxHeadDim || p.head_dim <= 0) return cudaErrorInvalidValue;
   dim3 grid((p.seqlen_q + kEmptyRowsThreads - 1) / kEmptyRowsThreads, p.heads_q, p.batch);
+  if (p.after_own_kernel) {
+    return launch_after_prior_grid(&fill_empty_rows_kernel<Element>, grid, dim3(kEmptyRowsThreads), 0, stream, p);
+  }
   fill_empty_rows_kernel<Element><<<grid, kEmptyRowsThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }

@@ -7,6 +7,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "mainloop_sm90.hpp"
+#include "pdl.hpp"
 #include "epilogue_sm90.hpp"
 #include "softmax.hpp"
 #include "tile_scheduler.hpp"
@@ -118,6 +119,10 @@ fwd_kernel_sm90(CUTE_GRID_CONSTANT const KernelArgs<Traits> args) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
 
+  // Launched after the pre-pass (masked kernels) or the masked call (the rows filter) it reads: wait for it
+  // (at once for a plain launch); the empty-row pass after this kernel may be scheduled from now (pdl.hpp).
+  wait_for_prior_grid();
+  allow_dependent_grid();
   const int warp_group = cutlass::canonical_warp_group_idx();
   const typename T::Tiles tiles(args.seqlen_q, T::kBlockM, get<2>(args.shape_q), get<3>(args.shape_q));
   // One tile per CTA: whether it runs and its key blocks are known before the roles split, so the

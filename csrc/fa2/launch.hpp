@@ -81,6 +81,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   }
 
   const SoftcapFactors softcap = softcap_factors(p.scale, p.softcap);
+  const bool causal = T::kMask == MaskKind::kBool ? p.causal : T::kCausal;  // see causal_positions
   KernelArgs<T> args{
       make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q)), lq),
                     typename T::SmemLayoutQ{}, Shape<typename T::TileM, typename T::TileD>{}, _1{}),
@@ -99,7 +100,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
       p.seqlen_q,
       p.seqlen_k,
       p.heads_q / p.heads_kv,
-      T::kCausal ? p.window_left : -1,
+      causal,
+      causal ? p.window_left : -1,
       p.scale,
       softcap.in,
       softcap.out,
@@ -121,9 +123,11 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
     classify_mask_blocks<T::kBlockM, T::kBlockN, T::kMask>
         <<<class_grid, kClassifyThreads, 0, stream>>>(mk, p.seqlen_q, p.seqlen_k);
     const int64_t class_rows = int64_t(mk.class_batches) * mk.class_heads * mk.class_m_blocks;
-    list_visited_blocks<kListWarps><<<unsigned((class_rows + kListWarps - 1) / kListWarps), 32 * kListWarps, 0, stream>>>(
-        mk, class_rows);
     cudaError_t prepass_err = cudaGetLastError();
+    if (prepass_err != cudaSuccess) return prepass_err;
+    prepass_err = launch_after_prior_grid(&list_visited_blocks<kListWarps>,
+                                          dim3(unsigned((class_rows + kListWarps - 1) / kListWarps)),
+                                          dim3(32 * kListWarps), 0, stream, mk, class_rows);
     if (prepass_err != cudaSuccess) return prepass_err;
   }
 
@@ -137,6 +141,9 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const bool heaviest_first = T::kCausal || T::kMask != MaskKind::kNone;
   const bool stride = !heaviest_first || p.seqlen_q <= T::Config::kHeaviestFirstStrideMaxSeqlenQ;
   const dim3 grid = forward_grid(num_m_blocks, p.heads_q, p.batch, T::kPersistent, stride ? p.num_sms : 0);
+  if (T::kMask != MaskKind::kNone || p.after_own_kernel) {  // right after the pre-pass or our masked call
+    return launch_after_prior_grid(kernel, grid, dim3(T::kThreads), smem_bytes, stream, args);
+  }
   kernel<<<grid, T::kThreads, smem_bytes, stream>>>(args);
   return cudaGetLastError();
 }
@@ -152,9 +159,9 @@ cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream) {
   return launch_fwd<KernelTraits<HeadDim, Dt, Causal>>(params, stream);
 }
 
-template <int HeadDim, DType Dt, MaskKind Kind, bool Causal>
+template <int HeadDim, DType Dt, MaskKind Kind>
 cudaError_t run_fwd_masked(const FwdParams& params, cudaStream_t stream) {
-  return launch_fwd<KernelTraits<HeadDim, Dt, Causal, Kind>>(params, stream);
+  return launch_fwd<KernelTraits<HeadDim, Dt, false, Kind>>(params, stream);
 }
 
 template <int HeadDim, DType Dt, MaskKind Kind>
@@ -167,8 +174,8 @@ int64_t masked_workspace_bytes(const FwdParams& params) {
 // One explicit instantiation per generated compile unit (csrc/kernel_table.py).
 #define FA2_INSTANTIATE_FWD(HDIM, DT, CAUSAL) \
   template cudaError_t fa2::run_fwd<HDIM, fa2::DType::DT, CAUSAL>(const fa2::FwdParams&, cudaStream_t);
-#define FA2_INSTANTIATE_FWD_MASKED(HDIM, DT, KIND, CAUSAL)                                                  \
-  template cudaError_t fa2::run_fwd_masked<HDIM, fa2::DType::DT, fa2::MaskKind::KIND, CAUSAL>(              \
-      const fa2::FwdParams&, cudaStream_t);
+#define FA2_INSTANTIATE_FWD_MASKED(HDIM, DT, KIND)                                                          \
+  template cudaError_t fa2::run_fwd_masked<HDIM, fa2::DType::DT, fa2::MaskKind::KIND>(const fa2::FwdParams&, \
+                                                                                      cudaStream_t);
 #define FA2_INSTANTIATE_MASK_WORKSPACE(HDIM, DT, KIND) \
   template int64_t fa2::masked_workspace_bytes<HDIM, fa2::DType::DT, fa2::MaskKind::KIND>(const fa2::FwdParams&);

@@ -45,8 +45,12 @@ struct KernelTraits {
   static_assert(kBlockM > 0, "no long-sequence tile in this config");
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
+  // Unmasked kernels: causal or not by instantiation. Masked ones are instantiated once (Causal_ false); the
+  // bool-mask kernel reads causal from KernelArgs at run time (causal_positions): its tiles run heaviest
+  // first either way, and position masking only adds to the blocks the mask pre-pass listed.
   static constexpr bool kCausal = Causal_;
   static constexpr MaskKind kMask = Mask_;
+  static_assert(!(Causal_ && Mask_ != MaskKind::kNone), "masked kernels take causal at run time");
   using MaskArgsT = typename MaskArgsFor<Mask_>::type;
   static constexpr bool kPersistent = Config::kPersistent;  // masked kernels too (0 spills with 40 producer registers)
   // Causal tiles differ in cost: the most expensive (last) query tiles run first. Masked kernels do
@@ -144,7 +148,8 @@ struct KernelArgs {
   int64_t lse_batch_stride, lse_head_stride;
   const float* rows_filter;  // FwdParams::rows_filter (lse's strides), or null
   int seqlen_q, seqlen_k, head_ratio;  // head_ratio = Hq / Hkv
-  int window_left;                     // causal kernels: keys before i - window_left hidden (-1: none)
+  bool causal;                         // bool-mask kernels: causal positions apply (else Traits::kCausal)
+  int window_left;                     // causal calls: keys before i - window_left hidden (-1: none)
   float scale;
   float softcap_in, softcap_out;  // softcap.hpp's factors (softcap_in = 0: none)
   const float* sinks;               // FwdParams::sinks
@@ -174,13 +179,24 @@ struct KeyBlocks {
   CUTE_DEVICE static bool partial(int entry) { return entry & 1; }
 };
 
+// Whether causal (and window) positions apply: a run-time value of bool-mask kernels, a constant of the others
+// (unmasked: their instantiation; additive: false, causal is not offered with an additive mask).
+template <class Traits>
+CUTE_DEVICE bool causal_positions(const KernelArgs<Traits>& args) {
+  if constexpr (Traits::kMask == MaskKind::kBool) {
+    return args.causal;
+  } else {
+    return Traits::kCausal;
+  }
+}
+
 template <class Traits>
 CUTE_DEVICE KeyBlocks<Traits> key_blocks(const KernelArgs<Traits>& args, TileCoord tile) {
   using T = Traits;
   KeyBlocks<T> blocks;
   int first_block, last_block;
-  visible_key_block_range<T::kCausal, T::kBlockM, T::kBlockN>(tile.m_block * T::kBlockM, args.seqlen_k,
-                                                              args.window_left, first_block, last_block);
+  visible_key_block_range<T::kBlockM, T::kBlockN>(causal_positions(args), tile.m_block * T::kBlockM, args.seqlen_k,
+                                                  args.window_left, first_block, last_block);
   if constexpr (T::kMask == MaskKind::kNone) {
     blocks.first = last_block;
     blocks.count = max(0, last_block - first_block + 1);
@@ -191,7 +207,7 @@ CUTE_DEVICE KeyBlocks<Traits> key_blocks(const KernelArgs<Traits>& args, TileCoo
     const int32_t* list = mk.visit + row * (mk.num_n_blocks + 1);
     blocks.entries = list + 1;
     const int size = list[0];
-    if constexpr (T::kCausal) {
+    if (causal_positions(args)) {
       if (first_block <= last_block) {  // both inside [0, num_n_blocks)
         const int32_t* above = mk.above + row * mk.num_n_blocks;
         blocks.first = above[last_block];
@@ -242,8 +258,14 @@ CUTE_DEVICE void mask_scores(const KernelArgs<Traits>& args, TensorS& s_rc, cons
   } else if constexpr (T::kMask == MaskKind::kBool) {
     if (Blocks::partial(entry)) bits.apply(s_rc, c_rc);
   }
-  if (block_needs_mask<T::kCausal, T::kBlockM, T::kBlockN>(n, m0, args.seqlen_k, args.window_left)) {
-    apply_mask<T::kCausal>(s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k, args.window_left);
+  const bool causal = causal_positions(args);
+  if (block_needs_mask<T::kBlockM, T::kBlockN>(causal, n, m0, args.seqlen_k, args.window_left)) {
+    // One loop per case, each with its bounds folded (a run-time `causal` inside the loop spilled at D=256).
+    if (causal) {
+      apply_mask(true, s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k, args.window_left);
+    } else {
+      apply_mask(false, s_rc, c_rc, m0, n * T::kBlockN, args.seqlen_k, args.window_left);
+    }
   }
 }
 

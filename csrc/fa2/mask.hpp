@@ -11,18 +11,20 @@ namespace fa2 {
 
 using namespace cute;
 
-// Position masking of one S tile: keys at or past seqlen_k; with Causal, keys past the query index
+// Position masking of one S tile: keys at or past seqlen_k; with causal, keys past the query index
 // (top-left: query i sees keys j <= i) and, when window_left >= 0, keys before i - window_left (a
 // sliding window of window_left + 1 keys ending at the diagonal). Masked entries become -inf.
 // s_rc / coord_rc: the thread's S fragment and the matching (row, col) coordinates inside the tile,
-// both in (rows, cols) view.
-template <bool Causal, class TensorS, class TensorC>
-CUTE_DEVICE void apply_mask(TensorS& s_rc, const TensorC& coord_rc, int m0, int n0, int seqlen_k, int window_left) {
+// both in (rows, cols) view. `causal` is a constant in unmasked kernels (their template argument) and a
+// run-time value in masked ones (causal_positions in mainloop_sm90.hpp).
+template <class TensorS, class TensorC>
+CUTE_DEVICE void apply_mask(bool causal, TensorS& s_rc, const TensorC& coord_rc, int m0, int n0, int seqlen_k,
+                            int window_left) {
   CUTE_UNROLL
   for (int r = 0; r < size<0>(s_rc); ++r) {
     const int row = m0 + get<0>(coord_rc(r, 0));
-    const int col_limit = Causal ? min(seqlen_k, row + 1) : seqlen_k;
-    const int col_first = Causal && window_left >= 0 ? row - window_left : 0;
+    const int col_limit = causal ? min(seqlen_k, row + 1) : seqlen_k;
+    const int col_first = causal && window_left >= 0 ? row - window_left : 0;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(s_rc); ++c) {
       const int col = n0 + get<1>(coord_rc(r, c));
@@ -32,23 +34,23 @@ CUTE_DEVICE void apply_mask(TensorS& s_rc, const TensorC& coord_rc, int m0, int 
 }
 
 // True when key block n_block holds, for some query row of the tile starting at m0, a key that
-// apply_mask hides: the sequence tail, (Causal) a key past the diagonal or before the window.
-template <bool Causal, int kBlockM, int kBlockN>
-CUTE_DEVICE bool block_needs_mask(int n_block, int m0, int seqlen_k, int window_left) {
+// apply_mask hides: the sequence tail, (causal) a key past the diagonal or before the window.
+template <int kBlockM, int kBlockN>
+CUTE_DEVICE bool block_needs_mask(bool causal, int n_block, int m0, int seqlen_k, int window_left) {
   const int n0 = n_block * kBlockN, n_end = n0 + kBlockN;
   if (n_end > seqlen_k) return true;
-  if (!Causal) return false;
+  if (!causal) return false;
   return n_end - 1 > m0 || (window_left >= 0 && n0 < m0 + kBlockM - 1 - window_left);
 }
 
 // The key blocks [first, last] a query tile starting at m0 can see through position masking alone
 // (last < first: none).
-template <bool Causal, int kBlockM, int kBlockN>
-CUTE_DEVICE void visible_key_block_range(int m0, int seqlen_k, int window_left, int& first, int& last) {
+template <int kBlockM, int kBlockN>
+CUTE_DEVICE void visible_key_block_range(bool causal, int m0, int seqlen_k, int window_left, int& first, int& last) {
   int end = seqlen_k;
-  if (Causal) end = min(seqlen_k, m0 + kBlockM);
+  if (causal) end = min(seqlen_k, m0 + kBlockM);
   last = (end + kBlockN - 1) / kBlockN - 1;
-  first = Causal && window_left >= 0 ? max(0, m0 - window_left) / kBlockN : 0;
+  first = causal && window_left >= 0 ? max(0, m0 - window_left) / kBlockN : 0;
 }
 
 // The user's attention mask as the masked kernels see it (KernelArgs::mask), and where the

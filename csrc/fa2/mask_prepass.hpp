@@ -18,6 +18,7 @@
 
 #include "mask.hpp"
 #include "params.h"
+#include "pdl.hpp"
 
 namespace fa2 {
 
@@ -98,6 +99,7 @@ CUTE_DEVICE void classify_and_pack_bool(const uint8_t* base, const MaskArgs& mk,
 template <int kBlockM, int kBlockN, MaskKind Kind>
 __global__ void __launch_bounds__(kClassifyThreads)
 classify_mask_blocks(const MaskArgs mk, int seqlen_q, int seqlen_k) {
+  allow_dependent_grid();  // the list kernel may launch now; it waits for these classes
   const int n_block = blockIdx.x;
   const int m_block = blockIdx.y;  // class query tile
   const int slice = blockIdx.z;    // class batch * CH + class head
@@ -144,6 +146,8 @@ classify_mask_blocks(const MaskArgs mk, int seqlen_q, int seqlen_k) {
 // (A template so that every translation unit including this header can define it.)
 template <int kWarps>
 __global__ void __launch_bounds__(32 * kWarps) list_visited_blocks(const MaskArgs mk, int64_t class_rows) {
+  allow_dependent_grid();  // the main kernel may launch now; it waits for these lists
+  wait_for_prior_grid();   // the classes
   const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (row >= class_rows) return;  // whole warps leave together
   const int lane = threadIdx.x % 32;

@@ -58,15 +58,19 @@ struct FwdParams {
   MaskDType mask_dtype = MaskDType::kBool;
   int64_t mask_batch_stride = 0, mask_head_stride = 0, mask_row_stride = 0, mask_col_stride = 0;
   void* mask_workspace = nullptr;
+
+  // The launch comes right after one of this library's kernels on the stream, so it may overlap that
+  // kernel's end (programmatic dependent launch, pdl.hpp). Masked kernels overlap their own pre-pass always.
+  bool after_own_kernel = false;
 };
 
 // The instantiations are generated at build time from csrc/kernel_table.py.
 template <int HeadDim, DType Dt, bool Causal>
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream);
 
-// Masked forward (with Causal: the mask and the causal/window positions both apply): classification
+// Masked forward (with params.causal, the mask and the causal/window positions both apply): classification
 // pre-pass, then the main kernel.
-template <int HeadDim, DType Dt, MaskKind Kind, bool Causal>
+template <int HeadDim, DType Dt, MaskKind Kind>
 cudaError_t run_fwd_masked(const FwdParams& params, cudaStream_t stream);
 
 // Device workspace the masked forward needs for these params (sizes and mask strides set).
@@ -91,6 +95,7 @@ struct EmptyRowsParams {
   int64_t o_batch_stride = 0, o_head_stride = 0, o_row_stride = 0;
   int64_t lse_batch_stride = 0, lse_head_stride = 0;
   int64_t v_batch_stride = 0, v_head_stride = 0, v_row_stride = 0;
+  bool after_own_kernel = false;  // as FwdParams::after_own_kernel
 };
 
 template <DType Dt>
