@@ -1,7 +1,7 @@
 """``python -m fa2_inductor.bench.results FILE.json ...``: the measured-results document, in markdown.
 
 It reads the JSON the benchmarks write (``python -m fa2_inductor.bench --json``, ``--masks``, ``--backward``,
-``--backward --masks``, ``--overhead``, ``--score-mods``, ``python -m fa2_inductor.bench_e2e --json``,
+``--backward --masks``, ``--overhead``, ``--score-mods``, ``--sites``, ``python -m fa2_inductor.bench_e2e --json``,
 ``--zoo``) and the ``summary.json`` of ``scripts/hopper_check.sh``, and prints one section per file with the
 tables and where, when and with which build they were measured.
 docs/results.md is this command's output over docs/measurements/*.json.
@@ -121,6 +121,21 @@ def _mask_rows(doc: dict, source: str) -> list[str]:
     rows = [[r["row"], _number(r["ours_ms"], 3), r["other"], _number(r["other_ms"], 3), _number(r["speedup"], 2),
              _number(r.get("prepass_ms"), 3)] for r in doc["mask_rows"]]
     return lines + _table(["row", "fa2_inductor ms", "compared with", "its ms", "ratio", "pre-pass ms"], rows)
+
+
+def _sites(doc: dict, source: str) -> list[str]:
+    lines = ["## One attention site against Inductor's (`python -m fa2_inductor.bench --sites`)", "",
+             measured_on(doc["environment"], source), "",
+             "bf16, batch·seqlen = 16384; GPU µs per call: the op with the structured arguments the pass gives it "
+             "against SDPA with Hugging Face's dense mask (what Inductor runs where the pass leaves the site). "
+             "Cross-attention: a quarter as many queries as keys.", ""]
+    rows = [[c["shape"], c["mask"], f"{c['batch']}x{c['seqlen_q']}x{c['seqlen']}", _number(c["op_us"]),
+             _number(c["sdpa_us"]), _number(c["ratio"], 2)] for c in doc["cells"]]
+    lines += _table(["heads x head dim", "mask", "B x Sq x Sk", "op µs", "sdpa µs", "op/sdpa"], rows)
+    lines += ["", "Shortest key count from which the op is never slower (the pass's short-sequence rule):", ""]
+    crossings = [[*key.split(" | "), str(seqlen) if seqlen is not None else "never"]
+                 for key, seqlen in doc["crossovers"].items()]
+    return lines + _table(["heads x head dim", "mask", "keys"], crossings)
 
 
 # ---------------------------------------------------------------- python -m fa2_inductor.bench_e2e
@@ -317,6 +332,7 @@ _KINDS: list[tuple[Callable[[dict], bool], Callable[[dict, str], list[str]]]] = 
     (lambda doc: "masked_backward" in doc, _masked_backward),
     (lambda doc: "score_mod_rows" in doc, _score_mods),
     (lambda doc: "decode_rows" in doc, _decode),
+    (lambda doc: "crossovers" in doc, _sites),
     (lambda doc: "rows" in doc and "shape" in doc, _overhead),
     (lambda doc: "rows" in doc and "transformers" in doc, _coverage),
 ]
