@@ -26,7 +26,7 @@ if importlib.util.find_spec("fa2_inductor.backend") is None:
 
 import fa2_inductor  # noqa: E402
 from fa2_inductor.passes import support  # noqa: E402
-from tests.hf_families import FAMILIES, VOCAB, Family, model_output  # noqa: E402
+from tests.hf_families import FAMILIES, HEADS, VOCAB, Family, model_output  # noqa: E402
 from tests.pass_checks import OP_IN_CODE  # noqa: E402
 
 FLASH_FWD = torch.ops.fa2_inductor.flash_attention_fwd.default
@@ -199,16 +199,17 @@ def test_generate_under_the_cuda_rules_leaves_decode_steps_to_inductor(compile_o
     monkeypatch.setattr(support, "_kernel_reason", lambda call: None)
     monkeypatch.setitem(support._DEVICE_RULES, "cpu", support._cuda_refusal)
     family = FAMILIES["llama"]
-    prompt_len = support.MIN_KEYS_WITH_MASK  # a prefill long enough for the op
+    hidden = HEADS * 2 * support.SMALL_HEAD_DIM  # head dim 128: the op takes a masked prefill from MIN_KEYS keys
+    prompt_len = support.MIN_KEYS  # and its decode cache stays shorter than DECODE_MIN_KEYS
     prompt = {"input_ids": torch.randint(3, VOCAB, (1, prompt_len), generator=torch.Generator().manual_seed(1))}
     settings = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "cache_implementation": "static"}
     code = {}
     with torch.no_grad():
-        expected = family.build(impl).generate(**prompt, **settings)
+        expected = family.build(impl, hidden=hidden).generate(**prompt, **settings)
         for backend in ("inductor", "fa2_inductor"):  # counters then hold the fa2_inductor run's
             torch._dynamo.reset()
             counters.clear()
-            model = family.build(impl)
+            model = family.build(impl, hidden=hidden)
             model.forward = torch.compile(model.forward, backend=backend)
             got, code[backend] = run_and_get_code(model.generate, **prompt, **settings)
             torch.testing.assert_close(got, expected)

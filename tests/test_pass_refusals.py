@@ -190,7 +190,7 @@ def _decode_hand_written(q, k, v):
     return _scores(q, k).softmax(-1) @ v
 
 
-SEQ_K = support.MIN_KEYS_WITH_MASK  # long enough for the short-sequence rule, too short for a decode step
+SEQ_K = 2 * support.MIN_KEYS  # long enough for the short-sequence rule without a mask, too short for a decode step
 ROWS, KEYS = support.DECODE_MAX_QUERY_ROWS, support.DECODE_MIN_KEYS
 DECODE_CASES = [(1, KEYS - 1, "refused"), (1, KEYS, "rewritten"), (ROWS, KEYS - 1, "refused"), (ROWS, KEYS, "rewritten"),
                 (ROWS + 1, SEQ_K, "rewritten")]
@@ -236,14 +236,28 @@ def _key_padded_sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 
 
-SHORT_CASES = [(_decode_sdpa, support.MIN_KEYS - 1, "refused"), (_decode_sdpa, support.MIN_KEYS, "rewritten"),
-               (_key_padded_sdpa, support.MIN_KEYS_WITH_MASK - 1, "refused"),
-               (_key_padded_sdpa, support.MIN_KEYS_WITH_MASK, "rewritten")]
+SMALL, LARGE = support.SMALL_HEAD_DIM, 2 * support.SMALL_HEAD_DIM
+SHORT_CASES = [  # (fn, head dim, Sq, Sk, verdict)
+    (_decode_sdpa, SMALL, support.MIN_KEYS - 1, support.MIN_KEYS - 1, "refused"),
+    (_decode_sdpa, SMALL, support.MIN_KEYS, support.MIN_KEYS, "rewritten"),
+    (_key_padded_sdpa, LARGE, support.MIN_KEYS - 1, support.MIN_KEYS - 1, "refused"),
+    (_key_padded_sdpa, LARGE, support.MIN_KEYS, support.MIN_KEYS, "rewritten"),
+    (_key_padded_sdpa, SMALL, support.MIN_KEYS_SMALL_HEADS_WITH_MASK - 1, support.MIN_KEYS_SMALL_HEADS_WITH_MASK - 1,
+     "refused"),
+    (_key_padded_sdpa, SMALL, support.MIN_KEYS_SMALL_HEADS_WITH_MASK, support.MIN_KEYS_SMALL_HEADS_WITH_MASK,
+     "rewritten"),
+    (_key_padded_sdpa, SMALL, 64, support.MIN_KEYS_SMALL_HEADS_CROSS_WITH_MASK - 1, "refused"),
+    (_key_padded_sdpa, SMALL, 64, support.MIN_KEYS_SMALL_HEADS_CROSS_WITH_MASK, "rewritten"),
+]
+SHORT_IDS = ["plain-short", "plain", "masked-d128-short", "masked-d128", "masked-d64-short", "masked-d64",
+             "cross-masked-d64-short", "cross-masked-d64"]
 
 
-@pytest.mark.parametrize("fn, seq, verdict", SHORT_CASES, ids=["plain-short", "plain", "masked-short", "masked"])
-def test_short_sequences_stay_with_inductor_on_cuda(cuda_rules, fn, seq, verdict):
-    compile_and_compare(fn, *qkv(seq_q=seq, seq_k=seq), rewrites=int(verdict == "rewritten"))
+@pytest.mark.parametrize("fn, head_dim, seq_q, seq_k, verdict", SHORT_CASES, ids=SHORT_IDS)
+def test_short_sequences_stay_with_inductor_on_cuda(cuda_rules, fn, head_dim, seq_q, seq_k, verdict):
+    """Masked sites need more keys at small head dims, cross-attention more still (bench --sites)."""
+    q, k, v = qkv(batch=1, heads=2, seq_q=seq_q, seq_k=seq_k, dim=head_dim)
+    compile_and_compare(fn, q, k, v, rewrites=int(verdict == "rewritten"))
     assert pass_counts().get("refused:short_sequence", 0) == int(verdict == "refused"), pass_counts()
 
 
@@ -254,7 +268,8 @@ def test_dense_additive_masks_stay_with_inductor_on_cuda(cuda_rules):
         bias = torch.arange(k.shape[-2], dtype=q.dtype) * -0.01
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.expand(q.shape[-2], -1))
 
-    compile_and_compare(biased, *qkv(seq_q=SEQ_K, seq_k=SEQ_K), rewrites=0)
+    seq = support.MIN_KEYS_SMALL_HEADS_WITH_MASK  # long enough for the short-sequence rule at any head dim
+    compile_and_compare(biased, *qkv(batch=1, heads=2, seq_q=seq, seq_k=seq), rewrites=0)
     assert pass_counts() == {"refused:dense_additive_mask": 1}
 
 

@@ -26,11 +26,22 @@ DECODE_MAX_QUERY_ROWS = 16  # the kernel's dispatch limit, _C.limits()["decode_m
 DECODE_MIN_KEYS = 512
 # Short sequences stay with Inductor on CUDA: below these key counts the op's fixed cost per call (its
 # launches: a mask's pre-pass, the empty-row passes) outweighs what its kernel saves. Measured with
-# ``python -m fa2_inductor.bench --sites`` (H200, bf16, GPU time per call against SDPA with Hugging Face's
-# dense mask): with a mask the op is never slower from 256 keys on (head dims 64 and 128, 12-32 heads; at
-# 128 keys 0.99-1.31x), without one from 128 on (at 64 keys 1.04-1.08x).
+# ``python -m fa2_inductor.bench --sites`` (H200, bf16, 12-32 heads, GPU time per call against SDPA with Hugging
+# Face's dense mask; docs/results.md): without a mask the op is never slower from 64 keys (causal) or 128; with
+# a mask from 128 keys at head dim 128, but at head dim 64, where a score costs half as much, only from 512
+# (256 keys read 1.00-1.13x) and, for cross-attention (a quarter as many queries as keys), from 1024
+# (512 keys read 1.05x at 12 heads, 0.82x at 32).
 MIN_KEYS = 128
-MIN_KEYS_WITH_MASK = 256
+SMALL_HEAD_DIM = 64  # up to this head dim (padded ones included) a masked site needs the longer sequences below
+MIN_KEYS_SMALL_HEADS_WITH_MASK = 512
+MIN_KEYS_SMALL_HEADS_CROSS_WITH_MASK = 1024
+
+
+def min_keys(head_dim: int, seq_q: int, seq_k: int, masked: bool) -> int:
+    """The fewest keys from which the op takes a (non-decode) site on CUDA."""
+    if not masked or head_dim > SMALL_HEAD_DIM:
+        return MIN_KEYS
+    return MIN_KEYS_SMALL_HEADS_CROSS_WITH_MASK if seq_q < seq_k else MIN_KEYS_SMALL_HEADS_WITH_MASK
 
 
 def _hint(size) -> int:
@@ -90,10 +101,10 @@ def _cuda_refusal(call: OpCall) -> Optional[Refused]:
             return Refused(Refusal.DECODE_STEP, f"Sq={seq_q} query rows against Sk={seq_k} keys: below "
                                                 f"{DECODE_MIN_KEYS} keys the decode kernel's fixed cost is not measured to pay")
         return None
-    min_keys = MIN_KEYS if call.mask is None else MIN_KEYS_WITH_MASK
-    if seq_k < min_keys:
+    fewest = min_keys(_hint(call.q.shape[-1]), seq_q, seq_k, call.mask is not None)
+    if seq_k < fewest:
         return Refused(Refusal.SHORT_SEQUENCE, f"Sk={seq_k} keys{' with a mask' if call.mask is not None else ''}: "
-                                               f"below {min_keys} the op's fixed cost per call makes it slower")
+                                               f"below {fewest} the op's fixed cost per call makes it slower")
     if call.mask is not None and call.mask.dtype != torch.bool:
         return Refused(Refusal.DENSE_ADDITIVE_MASK, "an additive mask with no proven structure is read per score")
     return None
