@@ -191,6 +191,7 @@ def _decode_hand_written(q, k, v):
 
 
 SEQ_K = 2 * support.MIN_KEYS  # long enough for the short-sequence rule without a mask, too short for a decode step
+MASKED_SEQ = support.MIN_KEYS_SMALL_HEADS_WITH_MASK  # long enough for it with a mask at any head dim
 ROWS, KEYS = support.DECODE_MAX_QUERY_ROWS, support.DECODE_MIN_KEYS
 DECODE_CASES = [(1, KEYS - 1, "refused"), (1, KEYS, "rewritten"), (ROWS, KEYS - 1, "refused"), (ROWS, KEYS, "rewritten"),
                 (ROWS + 1, SEQ_K, "rewritten")]
@@ -268,8 +269,7 @@ def test_dense_additive_masks_stay_with_inductor_on_cuda(cuda_rules):
         bias = torch.arange(k.shape[-2], dtype=q.dtype) * -0.01
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.expand(q.shape[-2], -1))
 
-    seq = support.MIN_KEYS_SMALL_HEADS_WITH_MASK  # long enough for the short-sequence rule at any head dim
-    compile_and_compare(biased, *qkv(batch=1, heads=2, seq_q=seq, seq_k=seq), rewrites=0)
+    compile_and_compare(biased, *qkv(batch=1, heads=2, seq_q=MASKED_SEQ), rewrites=0)
     assert pass_counts() == {"refused:dense_additive_mask": 1}
 
 
@@ -303,7 +303,7 @@ def _causal_sdpa(q, k, v):
 
 def test_masked_training_stays_with_inductor_on_cuda(cuda_training_rules):
     """The masked backward would run the op's reference: slower than Inductor's own, so the site stays."""
-    compile_and_compare(_padded_sdpa, *qkv(seq_q=SEQ_K, train=True), rewrites=0, train=True)
+    compile_and_compare(_padded_sdpa, *qkv(seq_q=MASKED_SEQ, train=True), rewrites=0, train=True)
     assert pass_counts() == {"refused:backward_unsupported": 1}
 
 
@@ -313,7 +313,7 @@ def test_training_with_a_fast_backward_is_rewritten_on_cuda(cuda_training_rules)
 
 def test_masked_inference_is_rewritten_on_cuda(cuda_training_rules):
     """The backward rule is for training graphs only: the forward kernel takes the mask."""
-    compile_and_compare(_padded_sdpa, *qkv(seq_q=SEQ_K), rewrites=1)
+    compile_and_compare(_padded_sdpa, *qkv(seq_q=MASKED_SEQ), rewrites=1)
 
 
 def test_masks_have_no_fast_backward_on_cuda():
