@@ -273,6 +273,28 @@ def test_dense_additive_masks_stay_with_inductor_on_cuda(cuda_rules):
     assert pass_counts() == {"refused:dense_additive_mask": 1}
 
 
+def _t5_eager(q, k, v):
+    """T5's eager attention: unscaled scores plus a position bias, a float32 softmax cast back."""
+    bias = torch.arange(k.shape[-2], dtype=q.dtype) * -0.01
+    scores = q @ k.transpose(-2, -1) + bias
+    return scores.float().softmax(-1).type_as(scores) @ v
+
+
+def _code_lines(code: str) -> list[str]:
+    """Generated code without comments (they name the compile's id and the traced source nodes)."""
+    return [line for line in code.splitlines() if not line.lstrip().startswith("#")]
+
+
+@pytest.mark.parametrize("seq", [support.MIN_KEYS - 1, MASKED_SEQ], ids=["short_sequence", "dense_additive_mask"])
+def test_a_refused_site_compiles_to_plain_inductors_code(cuda_rules, seq):
+    """Refusing leaves the graph as Inductor would have it: the backend cannot be slower there."""
+    q, k, v = qkv(batch=1, heads=2, seq_q=seq)
+    ours = compile_and_compare(_t5_eager, q, k, v, rewrites=0)
+    assert set(pass_counts()) == {f"refused:{'short_sequence' if seq < support.MIN_KEYS else 'dense_additive_mask'}"}
+    inductor = compile_and_compare(_t5_eager, q, k, v, rewrites=0, backend="inductor")
+    assert _code_lines(ours) == _code_lines(inductor)
+
+
 @pytest.mark.parametrize("fn", [_decode_sdpa, _decode_hand_written], ids=["sdpa", "hand_written"])
 def test_decode_steps_still_rewritten_on_cpu(cpu_pass, fn):
     """The rule is about the Hopper kernel's speed: CPU graphs (config.rewrite_on_cpu) keep exercising the op."""

@@ -11,9 +11,10 @@ the same inputs:
     fa2_inductor   torch.compile(backend="fa2_inductor")
 
 for each attention implementation the family has (``sdpa``, and ``eager`` where it differs). Every
-compiled output is checked against the uncompiled one; the table shows the median forward time, the
+compiled output is checked against the uncompiled one; the three are then timed in turns (one call of each
+per round, so the GPU's drift over an entry reaches all alike); the table shows the median forward time, the
 ratio of fa2_inductor to the best of eager and Inductor (same attention implementation), and the pass's
-counters (rewrites, their forms, refusals). The JSON is rewritten after every measurement, so a run cut
+counters (rewrites, their forms, refusals). The JSON is rewritten after every entry, so a run cut
 short (``--budget-s``) keeps what it measured; ``--plot`` draws the ratios.
 """
 
@@ -30,7 +31,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from .report import environment, write_json
-from .timing import keep_busy, time_calls
+from .timing import keep_busy, time_in_turns
 
 BACKENDS = ("eager", "inductor", "fa2_inductor")
 
@@ -180,29 +181,55 @@ def run_entry(entry: ZooEntry, device: torch.device, args, on_run: Callable[[Run
         inputs = family.inputs(entry, model.config, device)
         with torch.no_grad():
             expected = _last_hidden(model(**inputs)).float()
+        torch._dynamo.reset()
+        runs, calls = {}, {}
         for backend in BACKENDS:
-            on_run(_measure(entry, impl, backend, model, inputs, expected, device, args))
-        del model, expected
+            runs[backend], call = _compile_and_check(entry, impl, backend, model, inputs, expected)
+            if call is not None:
+                calls[backend] = call
+        for backend, result in _time(calls, device, args).items():
+            if isinstance(result, Exception):
+                runs[backend].error = _error_text(result)
+            else:
+                runs[backend].median_ms = statistics.median(result)
+        for run in runs.values():
+            on_run(run)
+        del model, expected, calls
 
 
-def _measure(entry, impl, backend, model, inputs, expected, device, args) -> Run:
+def _compile_and_check(entry, impl, backend, model, inputs, expected) -> tuple[Run, Optional[Callable]]:
+    """The run's record (checked output, the pass's counters) and the call to time, or None after an error.
+    Each backend compiles the same model object: Dynamo keeps one cache entry per backend."""
     run = Run(entry.name, impl, backend)
-    torch._dynamo.reset()
     counters.clear()
     try:
         forward = model if backend == "eager" else torch.compile(model, backend=backend, dynamic=False)
         with torch.no_grad():
             out = _last_hidden(forward(**inputs)).float()
-            run.max_abs_diff = (out - expected).abs().max().item()
-            del out
-            keep_busy(lambda: forward(**inputs), device)
-            times = time_calls(lambda: forward(**inputs), [()], device, warmup=args.warmup, reps=args.reps)
-        run.median_ms = statistics.median(times)
+        run.max_abs_diff = (out - expected).abs().max().item()
         run.counters = dict(counters["fa2_inductor"])
     except Exception as exc:  # one failing run (e.g. out of memory) must not lose the others
-        lines = [line for line in str(exc).splitlines() if line.strip()]
-        run.error = f"{type(exc).__name__}: {' | '.join(lines[:2])}"[:300]
-    return run
+        run.error = _error_text(exc)
+        return run, None
+
+    def call():
+        with torch.no_grad():
+            forward(**inputs)
+
+    return run, call
+
+
+def _time(calls: dict[str, Callable], device: torch.device, args) -> dict:
+    """The backends timed in turns (compiling cooled the GPU: one of them warms it first), so drift over the
+    entry reaches all alike."""
+    if calls and device.type == "cuda":
+        keep_busy(next(iter(calls.values())), device)
+    return time_in_turns(calls, [()], device, warmup=args.warmup, reps=args.reps)
+
+
+def _error_text(exc: Exception) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {' | '.join(lines[:2])}"[:300]
 
 
 def ratios(runs: list[Run]) -> list[dict]:
