@@ -239,7 +239,11 @@ def flash_attention(
     sinks: a logit per query head, [Hq], that joins each row's softmax denominator (attention sinks).
     scale defaults to 1/sqrt(D).
     """
-    check_inputs(q, k, v, attn_mask, is_causal, window_left, empty_rows, softcap, sinks)
+    # Every implementation of the op checks its arguments (``check_inputs``; in C++ for the CUDA kernel), so
+    # a call pays for the checks once. Here only calls the op cannot even be handed, or whose default scale
+    # is undefined, are checked first: for them check_inputs raises the ValueError naming the problem.
+    if not all(isinstance(t, Tensor) for t in (q, k, v)) or q.dim() == 0 or q.shape[-1] == 0:
+        check_inputs(q, k, v, attn_mask, is_causal, window_left, empty_rows, softcap, sinks)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     out, _ = flash_attention_fwd(q, k, v, attn_mask, float(scale), bool(is_causal), int(window_left),

@@ -7,7 +7,7 @@ back, ``CALLS_PER_BURST`` times with one synchronisation at the end, and reports
 
     op: ...                 torch.ops.fa2_inductor.flash_attention_fwd (no mask; a key mask with causal; the
                             same with empty_rows=ALL_KEYS, the arguments the graph pass gives Hugging Face masks)
-    flash_attention()       the public function (Python input checks, then the op)
+    flash_attention()       the public function (the default scale, then the op, which checks the call)
     sdpa: ...               F.scaled_dot_product_attention (no mask; causal; Hugging Face's dense mask)
 
 Each row is timed twice: under ``torch.no_grad`` (model inference: the op's autograd layer, which
