@@ -10,8 +10,8 @@ back, ``CALLS_PER_BURST`` times with one synchronisation at the end, and reports
     flash_attention()       the public function (the default scale, then the op, which checks the call)
     sdpa: ...               F.scaled_dot_product_attention (no mask; causal; Hugging Face's dense mask)
 
-Each row is timed twice: under ``torch.no_grad`` (model inference: the op's autograd layer, which
-torch.library keeps in Python, runs on every call) and under ``torch.inference_mode`` (which skips it).
+Each row is timed twice: under ``torch.no_grad`` (model inference: the op's autograd layer, in C++ for CUDA
+tensors, runs on every call) and under ``torch.inference_mode`` (which skips it).
 When the calls are shorter than the GPU's work per call, the rows measure the GPU instead.
 """
 
