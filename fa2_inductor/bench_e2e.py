@@ -11,8 +11,8 @@ labels, the loss, ``loss.backward()``; the model in train mode, gradients set to
 called as a tokenizer and a collator feed it: ``train`` is batch 1 with an ``attention_mask`` of ones,
 ``train_padded`` batch 2 whose second row is right-padded to 3/4 of the length (mask 0 and labels -100 on
 the padding). Each is checked against uncompiled SDPA (logits; generate: the tokens; training: the loss and
-the gradients of the first layer's q/k/v projections and the last layer's o_proj), then timed (median of
-``--reps``):
+the gradients of the first layer's q/k/v projections and the last layer's o_proj), then all the variants of a
+phase and length are timed together, in turns (median of up to ``--reps``; ``run_phase`` says why):
 
     eager                      attn_implementation="eager", no compile
     eager-attn + Inductor      "eager",  torch.compile(backend="inductor")
@@ -25,8 +25,8 @@ the gradients of the first layer's q/k/v projections and the last layer's o_proj
 It prints ms and the ratio to "sdpa + Inductor" per phase and length, with how many attention sites the
 pass rewrote (decode steps must never be slower than plain Inductor) and how many op calls fell back
 (to the reference; training: backward calls that did not run our backward kernel), and writes everything,
-with every fa2_inductor counter, to ``--json`` (rewritten after every variant: a run cut short keeps what
-it finished). ``--tiny`` runs a 2-layer float32 model on CPU with the pass
+with every fa2_inductor counter, to ``--json`` (rewritten after every phase and length: a run cut short keeps
+what it finished). ``--tiny`` runs a 2-layer float32 model on CPU with the pass
 enabled there (``config.rewrite_on_cpu``), which is what the test uses.
 """
 
@@ -38,7 +38,7 @@ import statistics
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch._dynamo.utils import counters
@@ -46,7 +46,7 @@ from torch._dynamo.utils import counters
 from . import config as fa2_config
 from . import hf
 from .bench import environment, exit_without_cuda, time_calls, write_json, zoo
-from .bench.timing import keep_busy
+from .bench.timing import keep_busy, medians_in_turns
 
 BASELINE = "sdpa + Inductor"
 INFERENCE_PHASES = ("prefill", "decode", "decode_dynamic", "generate")
@@ -317,30 +317,49 @@ def run_generations(variants: list[Variant], workload: Generation, shape: dict, 
     return results
 
 
-def _measure_variant(variant: Variant, workload, result: Result, shape: dict, dtype, device, args):
+def _prepare(variant: Variant, workload, result: Result, shape: dict, dtype, device) -> Callable[[], object]:
+    """The variant's model built (and compiled) and called once: the call's counters recorded and its output
+    checked. Returns the call to time."""
     model = build_model(shape, variant.attn_implementation, dtype, device, workload.max_len).train(workload.training)
     forward = model if variant.backend is None else torch.compile(model, backend=variant.backend, dynamic=False)
-    with torch.set_grad_enabled(workload.training):
-        output = workload(forward)  # compiles, and gives the output to check
-        _record_counters(result)  # of this one call: the timed calls repeat it
-        workload.check(result, output, model)
-        del output
-        keep_busy(lambda: workload(forward), device)  # after the compile: GPU clocks back up
-        times = time_calls(lambda: workload(forward), [()], device, warmup=args.warmup, reps=args.reps)
-    result.median_ms = statistics.median(times)
+    output = workload(forward)  # compiles, and gives the output to check
+    _record_counters(result)  # of this one call: the timed calls repeat it
+    workload.check(result, output, model)
+    return lambda: workload(forward)
 
 
-def run(variant: Variant, workload, shape: dict, dtype, device, args) -> Result:
-    """One variant on one phase and length; its model and compiled graphs are gone when this returns."""
-    result = Result(workload.phase, variant.name, workload.seqlen)
+def run_phase(variants: list[Variant], workload, shape: dict, dtype, device, args) -> list[Result]:
+    """Every variant on one phase and length: each model built, compiled, called and checked first, then all
+    timed together in turns (``medians_in_turns``: one call of each per round, the order reversed every other
+    round), so that the GPU's clocks drifting over the phase reach every variant alike (timed one after the
+    other, two H200 runs read uncompiled SDPA's 2k prefill as 3.03 and 3.76 ms). The models and compiled
+    graphs are gone when this returns."""
+    results, calls = [], {}
     torch._dynamo.reset()
-    counters.clear()
-    try:
-        _measure_variant(variant, workload, result, shape, dtype, device, args)
-    except Exception as exc:  # one failing variant (e.g. out of memory) must not lose the others
-        result.error = _error_line(exc)
+    # The compiled models share their class's code, each with a cache entry of its own (guarded by its
+    # backend and attention implementation).
+    recompile_limit = torch._dynamo.config.recompile_limit + len(variants)
+    with torch._dynamo.config.patch(recompile_limit=recompile_limit), torch.set_grad_enabled(workload.training):
+        for variant in variants:
+            result = Result(workload.phase, variant.name, workload.seqlen)
+            counters.clear()
+            try:
+                calls[variant.name] = _prepare(variant, workload, result, shape, dtype, device)
+            except Exception as exc:  # one failing variant (e.g. out of memory) must not lose the others
+                result.error = _error_line(exc)
+            results.append(result)
+        if calls:
+            keep_busy(next(iter(calls.values())), device)  # after the compiles: GPU clocks back up
+        medians = medians_in_turns(calls, [()], device, warmup=args.warmup, reps=args.reps)
+    for result in results:
+        median = medians.get(result.variant)
+        if isinstance(median, Exception):
+            result.error = _error_line(median)
+        elif median is not None:
+            result.median_ms = median
+    del calls
     _release_memory(device)
-    return result
+    return results
 
 
 def _print_progress(r: Result) -> None:
@@ -429,7 +448,7 @@ def main(argv=None) -> list:
     results = []
 
     def keep(finished: list) -> None:
-        """Adds results and rewrites the JSON, so a run cut short keeps every variant it finished."""
+        """Adds results and rewrites the JSON, so a run cut short keeps every phase and length it finished."""
         results.extend(finished)
         document["results"].extend(asdict(r) for r in finished)
         write_json(args.json, document)
@@ -443,15 +462,11 @@ def main(argv=None) -> list:
             else:
                 workload = Workload(phase, shape, dtype, device, seqlen)
             _release_memory(device)  # the reference model
-            if phase == "generate":  # timed together (run_generations says why)
-                finished = run_generations(variants, workload, shape, dtype, device, args)
-                for r in finished:
-                    _print_progress(r)
-                keep(finished)
-            else:
-                for variant in variants:
-                    keep([run(variant, workload, shape, dtype, device, args)])
-                    _print_progress(results[-1])
+            run_variants = run_generations if phase == "generate" else run_phase
+            finished = run_variants(variants, workload, shape, dtype, device, args)
+            for r in finished:
+                _print_progress(r)
+            keep(finished)
             del workload
     print(format_table(results))
     print(f"\nwrote {args.json}")

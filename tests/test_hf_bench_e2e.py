@@ -90,25 +90,46 @@ def test_generate_reuses_one_static_cache_per_model_reset_before_each_call():
     assert torch.equal(first, second) and torch.equal(first, workload.reference[:, :4])
 
 
-def test_a_run_cut_short_keeps_the_variants_it_finished(tmp_path, monkeypatch):
-    """The JSON is rewritten after every variant: a run stopped (time limit, crash) in its second variant
-    leaves the first one's result on disk."""
+def test_a_run_cut_short_keeps_the_phases_it_finished(tmp_path, monkeypatch):
+    """The JSON is rewritten after every phase and length: a run stopped (time limit, crash) in its second
+    phase leaves the first one's results on disk."""
     out = tmp_path / "e2e.json"
     monkeypatch.setattr(fa2_inductor.config, "rewrite_on_cpu", fa2_inductor.config.rewrite_on_cpu)
-    run = bench_e2e.run
-    calls = []
+    run_phase = bench_e2e.run_phase
+    phases = []
 
-    def run_then_stop(*args, **kwargs):
-        calls.append(args[0].name)
-        if len(calls) == 2:
+    def run_then_stop(variants, workload, *args, **kwargs):
+        phases.append(workload.phase)
+        if len(phases) == 2:
             raise KeyboardInterrupt  # what a time limit's signal looks like to the loop
-        return run(*args, **kwargs)
+        return run_phase(variants, workload, *args, **kwargs)
 
-    monkeypatch.setattr(bench_e2e, "run", run_then_stop)
-    argv = ["--tiny", "--phases", "prefill", "--seqlens", "16", "--warmup", "0", "--reps", "1", "--json", str(out),
-            "--variants", "eager", "sdpa"]
+    monkeypatch.setattr(bench_e2e, "run_phase", run_then_stop)
+    argv = ["--tiny", "--phases", "prefill", "decode_dynamic", "--seqlens", "16", "--warmup", "0", "--reps", "1",
+            "--json", str(out), "--variants", "eager", "sdpa"]
     with pytest.raises(KeyboardInterrupt):
         bench_e2e.main(argv)
     document = json.loads(out.read_text())
-    assert [(r["phase"], r["variant"]) for r in document["results"]] == [("prefill", "eager")]
-    assert document["results"][0]["median_ms"] > 0
+    assert phases == ["prefill", "decode_dynamic"]
+    assert [(r["phase"], r["variant"]) for r in document["results"]] == [("prefill", "eager"), ("prefill", "sdpa")]
+    assert all(r["median_ms"] > 0 for r in document["results"])
+
+
+def test_the_variants_of_a_phase_are_timed_in_turns(monkeypatch):
+    """Every variant is built and checked before any is timed, and the timing takes them all at once."""
+    timed = []
+
+    def record_turns(calls, arg_sets, device, *, warmup, reps):
+        timed.append(list(calls))
+        return {name: 1.0 for name in calls}
+
+    monkeypatch.setattr(bench_e2e, "medians_in_turns", record_turns)
+    names = ["eager", "sdpa"]
+    with torch.random.fork_rng():  # build_model seeds the global generator
+        workload = bench_e2e.Workload("prefill", bench_e2e.TINY_SHAPE, torch.float32, torch.device("cpu"), 8)
+        args = bench_e2e.parse_args(["--tiny"])
+        results = bench_e2e.run_phase([v for v in bench_e2e.VARIANTS if v.name in names], workload,
+                                      bench_e2e.TINY_SHAPE, torch.float32, torch.device("cpu"), args)
+    assert timed == [names]
+    assert [(r.variant, r.median_ms, r.error) for r in results] == [(n, 1.0, None) for n in names]
+    assert all(r.max_abs_diff < 1e-5 for r in results)
