@@ -43,8 +43,8 @@ struct KernelTraits {
   // Masked kernels keep the mask grid's rows per tile (the binding sizes it by kMaskBlockM).
   static constexpr int kBlockM = Mask_ != MaskKind::kNone ? kMaskBlockM : Long_ ? Config::kLongBlockM : Config::kBlockM;
   static_assert(kBlockM > 0, "no long-sequence tile in this config");
-  static constexpr int kBlockN = Config::kBlockN;
-  static constexpr int kStages = Config::kStages;
+  static constexpr int kBlockN = Mask_ != MaskKind::kNone ? Config::kMaskBlockN : Config::kBlockN;
+  static constexpr int kStages = Mask_ != MaskKind::kNone ? Config::kMaskStages : Config::kStages;
   // Unmasked kernels: causal or not by instantiation. Masked ones are instantiated once (Causal_ false); the
   // bool-mask kernel reads causal from KernelArgs at run time (causal_positions): its tiles run heaviest
   // first either way, and position masking only adds to the blocks the mask pre-pass listed.
@@ -410,7 +410,8 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
   // the S GEMM. (Additive kernels, at the register limit already, would spill the extra entry.)
   constexpr bool kEntryAhead = T::kMask == MaskKind::kBool;
   int entry_next = kEntryAhead && blocks.count > 1 ? blocks.entry(1) : 0;
-  MaskBitsFragment<T::kBlockN, kRows> mask_bits;
+  // Only bool-mask kernels carry bits (whose rows take whole 64-key words).
+  std::conditional_t<T::kMask == MaskKind::kBool, MaskBitsFragment<T::kBlockN, kRows>, NoMaskBits> mask_bits;
   load_mask_bits<T>(args, mask_bits, c_rc, entry, m0, head, batch);
   const int wg = tid / 128;
   auto turn_wait = [&]() {

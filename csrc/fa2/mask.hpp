@@ -119,6 +119,9 @@ struct MaskBitsFragment {
   }
 };
 
+// What kernels without a bool mask pass where the bits would go.
+struct NoMaskBits {};
+
 // Partial blocks of additive masks: the mask value (converted to float) is added to the (already
 // scaled) score. Rows at or past seqlen_q and keys at or past seqlen_k are never read (the tail
 // mask handles those keys).

@@ -6,6 +6,8 @@ namespace fa2 {
 // kBlockM: query rows per CTA (64 per consumer warpgroup; masked kernels keep kMaskBlockM).
 // kLongBlockM: the rows per CTA of unmasked calls with at least kLongMinSeqlenQ query rows (0: kBlockM always).
 // kBlockN: key rows per pipeline stage.  kStages: K/V shared-memory stages.
+// kMaskBlockN, kMaskStages: the same for masked kernels (configs with Causal false), whose key blocks are
+// whole 64-key words of the pre-pass's bit rows.
 // kPersistent: one CTA per SM runs many query tiles (tile_scheduler.hpp); it needs O staged apart
 // from Q, which D=256's shared memory has no room for. kHeaviestFirstStrideMaxSeqlenQ: calls whose tiles
 // run heaviest first (causal, masks) stride only up to this many query rows, one CTA per tile above.
@@ -72,6 +74,7 @@ struct TileConfig<64, Causal> {
   static constexpr bool kPingPong = FA2_PINGPONG_HDIM64;
   static constexpr int kBlockM = Causal ? FA2_TILE_M_HDIM64_CAUSAL : FA2_TILE_M_HDIM64;
   static constexpr int kBlockN = FA2_TILE_N_HDIM64, kStages = 3;
+  static constexpr int kMaskBlockN = kBlockN, kMaskStages = kStages;
   static constexpr int kLongBlockM = Causal ? FA2_TILE_M_HDIM64 : 0, kLongMinSeqlenQ = 8192;
   static constexpr bool kPersistent = true;
   static constexpr int kHeaviestFirstStrideMaxSeqlenQ = 2048;
@@ -80,25 +83,31 @@ template <bool Causal>
 struct TileConfig<128, Causal> {
   static constexpr bool kPingPong = FA2_PINGPONG_HDIM128;
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM128, kStages = 2;
+  static constexpr int kMaskBlockN = kBlockN, kMaskStages = kStages;
   static constexpr bool kPersistent = true;
   static constexpr int kLongBlockM = 0, kLongMinSeqlenQ = 0;
   static constexpr int kHeaviestFirstStrideMaxSeqlenQ = 1024;
 };
-// D=192: key blocks of 64 (the mask's bit rows and block grid take multiples of 64; 128 keys in two
-// stages would not fit): Q 48 KB + three K and three V stages (72 KB each); O is staged in Q's buffer
-// and the kernel keeps one CTA per tile, as D=256 does.
+// D=192: key blocks of 64 (128 keys in two stages would not fit): Q 48 KB + three K and three V stages
+// (72 KB each); O is staged in Q's buffer and the kernel keeps one CTA per tile, as D=256 does.
+// Unmasked kernels may take blocks of any multiple of 16 keys (FlashAttention-3 takes 112 in two stages
+// here: -DFA2_TILE_N_HDIM192=112 -DFA2_STAGES_HDIM192=2, untimed so far); masked ones keep 64 keys.
 template <bool Causal>
 struct TileConfig<192, Causal> {
   static constexpr bool kPingPong = FA2_PINGPONG_HDIM192;
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM192, kStages = FA2_STAGES_HDIM192;
   static constexpr bool kPersistent = FA2_PERSISTENT_HDIM192;
+  static constexpr int kMaskBlockN = 64, kMaskStages = kPersistent ? 2 : 3;  // what shared memory holds
   static constexpr int kLongBlockM = 0, kLongMinSeqlenQ = 0;
   static constexpr int kHeaviestFirstStrideMaxSeqlenQ = 0;
 };
+// D=256: 64 keys in two stages. Unmasked kernels may take other multiples of 16 keys (FlashAttention-3
+// takes 80: -DFA2_TILE_N_HDIM256=80, untimed so far); masked ones keep 64.
 template <bool Causal>
 struct TileConfig<256, Causal> {
   static constexpr bool kPingPong = FA2_PINGPONG_HDIM256;
   static constexpr int kBlockM = 128, kBlockN = FA2_TILE_N_HDIM256, kStages = 2;
+  static constexpr int kMaskBlockN = 64, kMaskStages = 2;
   static constexpr bool kPersistent = false;
   static constexpr int kLongBlockM = 0, kLongMinSeqlenQ = 0;
   static constexpr int kHeaviestFirstStrideMaxSeqlenQ = 0;
