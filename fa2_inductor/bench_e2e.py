@@ -46,6 +46,7 @@ from torch._dynamo.utils import counters
 from . import config as fa2_config
 from . import hf
 from .bench import environment, exit_without_cuda, time_calls, write_json, zoo
+from .bench.profiling import profile_call
 from .bench.timing import keep_busy, medians_in_turns
 
 BASELINE = "sdpa + Inductor"
@@ -99,6 +100,8 @@ class Result:
     tokens_differing: Optional[int] = None  # generate: new tokens unlike uncompiled SDPA's
     loss_diff: Optional[float] = None  # training: |Δloss|
     grad_rel_diff: Optional[float] = None  # training: max over checked_gradients() of max|Δgrad| / max|grad|
+    profile_wall_ms: Optional[float] = None  # --profile: one more call under the profiler, start to end
+    profile_device_ms: Optional[float] = None  # --profile: that call's kernels, device time summed
     error: Optional[str] = None
 
 
@@ -351,6 +354,8 @@ def run_phase(variants: list[Variant], workload, shape: dict, dtype, device, arg
         if calls:
             keep_busy(next(iter(calls.values())), device)  # after the compiles: GPU clocks back up
         medians = medians_in_turns(calls, [()], device, warmup=args.warmup, reps=args.reps)
+        if args.profile:
+            _profile(calls, results, device, args.profile)
     for result in results:
         median = medians.get(result.variant)
         if isinstance(median, Exception):
@@ -360,6 +365,23 @@ def run_phase(variants: list[Variant], workload, shape: dict, dtype, device, arg
     del calls
     _release_memory(device)
     return results
+
+
+def _profile(calls: dict, results: list[Result], device, path: Path) -> None:
+    """One more call of each variant under the profiler: its wall and kernel time into its Result, the
+    profiler's table appended to ``path``."""
+    by_name = {r.variant: r for r in results}
+    with path.open("a") as report:
+        for name, call in calls.items():
+            result = by_name[name]
+            try:
+                found = profile_call(call, device)
+            except Exception as exc:  # the timing stands; the report says why this profile is missing
+                report.write(f"\n== {result.phase} {result.seqlen} {name}: not profiled: {_error_line(exc)}\n")
+                continue
+            result.profile_wall_ms, result.profile_device_ms = found.wall_ms, found.device_ms
+            report.write(f"\n== {result.phase} {result.seqlen} {name}: profiled call {found.wall_ms:.3f} ms, "
+                         f"kernels {found.device_ms:.3f} ms\n{found.table}\n")
 
 
 def _print_progress(r: Result) -> None:
@@ -393,6 +415,8 @@ def format_table(results: list[Result]) -> str:
         rows = [r for r in results if (r.phase, r.seqlen) == (phase, seqlen)]
         base = next((r.median_ms for r in rows if r.variant == BASELINE and r.median_ms), None)
         columns = _checked_columns(phase)
+        if any(r.profile_wall_ms is not None for r in rows):
+            columns.update({"profiled ms": "profile_wall_ms", "kernels ms": "profile_device_ms"})
         lines.append(f"\n{phase}: {_phase_title(phase, seqlen)}")
         lines.append(f"{'variant':<28}{'ms':>10}{'vs ' + BASELINE:>22}{'rewrites':>10}"
                      + "".join(f"{header:>15}" for header in columns))
@@ -420,9 +444,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", type=Path, default=Path("bench_e2e.json"))
+    parser.add_argument(
+        "--profile", type=Path, metavar="TXT",
+        help="after the timing, one more call of every variant under torch.profiler: its wall and kernel time in "
+             "the table and JSON, the profiler's table of its busiest kernels in TXT (not for generate, whose "
+             "decode steps run as CUDA graphs)"
+    )
     parser.add_argument("--tiny", action="store_true", help="2-layer float32 model on CPU (for tests)")
     zoo.add_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.zoo and args.profile:
+        parser.error("--profile profiles the Llama-shaped model's phases; --zoo has no profile")
+    return args
 
 
 def main(argv=None) -> list:
@@ -446,6 +479,8 @@ def main(argv=None) -> list:
         "results": [],
     }
     results = []
+    if args.profile:
+        args.profile.write_text("bench_e2e --profile: one call of each variant under torch.profiler, after the timing\n")
 
     def keep(finished: list) -> None:
         """Adds results and rewrites the JSON, so a run cut short keeps every phase and length it finished."""

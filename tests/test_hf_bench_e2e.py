@@ -133,3 +133,26 @@ def test_the_variants_of_a_phase_are_timed_in_turns(monkeypatch):
     assert timed == [names]
     assert [(r.variant, r.median_ms, r.error) for r in results] == [(n, 1.0, None) for n in names]
     assert all(r.max_abs_diff < 1e-5 for r in results)
+
+
+def test_profile_reports_every_variant_after_its_timing(tmp_path, monkeypatch):
+    out, report = tmp_path / "e2e.json", tmp_path / "profile.txt"
+    monkeypatch.setattr(fa2_inductor.config, "rewrite_on_cpu", fa2_inductor.config.rewrite_on_cpu)
+    names = ["sdpa", "fa2_inductor interface"]
+    argv = ["--tiny", "--phases", "prefill", "--seqlens", "16", "--warmup", "0", "--reps", "1", "--json", str(out),
+            "--profile", str(report), "--variants", *names]
+    results = bench_e2e.main(argv)
+
+    assert [r.variant for r in results] == names
+    for r in results:  # on CPU the profiled call has no kernels
+        assert r.error is None and r.profile_wall_ms > 0 and r.profile_device_ms == 0, r
+    text = report.read_text()
+    assert all(f"== prefill 16 {name}: profiled call" in text for name in names)
+    assert "fa2_inductor::flash_attention_fwd" in text  # the op shows in the interface's table
+    assert "kernels ms" in bench_e2e.format_table(results)
+
+
+def test_profile_is_refused_with_the_zoo(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--zoo", "--profile", str(tmp_path / "p.txt")])
+    assert "--zoo has no profile" in capsys.readouterr().err
