@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # Tile / schedule sweep on a Hopper machine: each variant is a set of -D flags for the macros in
-# csrc/fa2/tile_config.h (FA2_PINGPONG, FA2_TILE_N_HDIM64/128/256, ...). Every variant is built (bf16 only)
+# csrc/fa2/tile_config.h and bwd_traits.hpp (FA2_PINGPONG, FA2_TILE_N_HDIM192, FA2_BWD_STAGED_DQ_HDIM256, ...).
+# Every variant is built (bf16 only)
 # in its own copy of the tree, all in parallel, then only fa2_inductor is timed per variant, one after
 # the other, with python -m fa2_inductor.bench (JSON, plot and log per variant in RESULTS_DIR).
 #
 #   scripts/tile_sweep.sh RESULTS_DIR base: pp:-DFA2_PINGPONG=1 wideN:-DFA2_TILE_N_HDIM128=176
 #   SWEEP_BENCH_ARGS="--seqlens 2048 8192 --head-dims 128" scripts/tile_sweep.sh ...   (default: 2k, 8k, all head dims)
 #
+#   FA2_INDUCTOR_HEAD_DIMS=192,256 SWEEP_BENCH_ARGS="--impls fa2_inductor sdpa_cudnn --head-dims 192 256" \
+#     scripts/tile_sweep.sh ...   (only those head dims built; cuDNN timed beside each variant: ratios compare)
+#   SWEEP_BENCH_ARGS="--backward --head-dims 256" scripts/tile_sweep.sh ...   (the training rows instead)
+#
 # "+" separates several flags of one variant (name:-DA=1+-DB=2). SWEEP_JOBS compile jobs per variant
 # (default 4). CUTLASS headers are found as for the normal build (see cutlass/README.md).
 set -uo pipefail
-[[ $# -ge 2 ]] || { sed -n '2,12p' "$0"; exit 2; }
+[[ $# -ge 2 ]] || { sed -n '2,17p' "$0"; exit 2; }
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$1" && RESULTS=$(cd "$1" && pwd); shift
 PY=${PYTHON:-$(command -v python || command -v python3)}
