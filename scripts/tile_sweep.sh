@@ -15,7 +15,7 @@
 # "+" separates several flags of one variant (name:-DA=1+-DB=2). SWEEP_JOBS compile jobs per variant
 # (default 4). CUTLASS headers are found as for the normal build (see cutlass/README.md).
 set -uo pipefail
-[[ $# -ge 2 ]] || { sed -n '2,17p' "$0"; exit 2; }
+[[ $# -ge 2 ]] || { sed -n '2,16p' "$0"; exit 2; }
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$1" && RESULTS=$(cd "$1" && pwd); shift
 PY=${PYTHON:-$(command -v python || command -v python3)}
