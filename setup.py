@@ -82,7 +82,7 @@ def _write_if_changed(path: Path, text: str) -> None:
 def generated_sources() -> list[str]:
     """Writes the compile units and the binding's table for FA2_INDUCTOR_HEAD_DIMS / _DTYPES; returns the units."""
     table = _kernel_table()
-    head_dims = {int(d) for d in _env_list("FA2_INDUCTOR_HEAD_DIMS", ",".join(map(str, table["HEAD_DIMS"])))}
+    head_dims = {int(d) for d in _env_list("FA2_INDUCTOR_HEAD_DIMS", ",".join(map(str, table["DEFAULT_HEAD_DIMS"])))}
     dtypes = set(_env_list("FA2_INDUCTOR_DTYPES", ",".join(table["DTYPES"])))
     unknown = sorted(map(str, head_dims - set(table["HEAD_DIMS"]))) + sorted(dtypes - set(table["DTYPES"]))
     if unknown or not head_dims or not dtypes:

@@ -8,8 +8,11 @@ head dim); the binding's entries for it point at each.
 
 from __future__ import annotations
 
-HEAD_DIMS = (64, 128, 192, 256)
-# Head dims with backward kernels of their own; another's backward runs on the next larger one.
+HEAD_DIMS = (64, 96, 128, 192, 256)
+# What a build compiles unless FA2_INDUCTOR_HEAD_DIMS says otherwise; any other head dim (a multiple of 8) runs
+# on the next larger one. 96 is built on request until it is timed against its padded run on 128.
+DEFAULT_HEAD_DIMS = (64, 128, 192, 256)
+# Head dims with backward kernels of their own; another's backward runs on the next larger one (96 on 128).
 BACKWARD_HEAD_DIMS = (64, 128, 192, 256)
 DTYPES = {"bf16": "kBF16", "fp16": "kFP16"}
 

@@ -34,3 +34,11 @@ def test_units_come_heaviest_first(table):
     assert ranks == sorted(ranks) and set(ranks) == set(range(len(table.BUILD_ORDER)))
     shared = [path for path in units if "/hdim" not in path]
     assert list(units)[-len(shared):] == shared  # the shared units are short: they go last
+
+
+def test_the_default_build_and_the_backward_take_head_dims_the_table_knows(table):
+    assert set(table.DEFAULT_HEAD_DIMS) <= set(table.HEAD_DIMS)
+    assert set(table.BACKWARD_HEAD_DIMS) <= set(table.HEAD_DIMS)
+    assert max(table.DEFAULT_HEAD_DIMS) == max(table.HEAD_DIMS)  # every head dim has a kernel to run on
+    units = table.compile_units([96], ["bf16"])  # a forward-only head dim: no backward units
+    assert not any("_bwd_" in path for path in units) and any("hdim96_bf16_fwd_plain" in path for path in units)

@@ -56,7 +56,7 @@ struct KernelTraits {
   // Causal tiles differ in cost: the most expensive (last) query tiles run first. Masked kernels do
   // the same: the masks of real models are mostly causal-like (HF causal, sliding windows).
   using Tiles = QueryTiles<kCausal || kMask != MaskKind::kNone, kPersistent>;
-  static_assert(kHeadDim % 64 == 0, "head dim must fill 128-byte swizzle rows");
+  static_assert(kHeadDim % 32 == 0, "head dim must fill whole 64- or 128-byte swizzle rows");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0);
   static_assert(kHeadDim <= kMaxHeadDim);
 
@@ -89,8 +89,10 @@ struct KernelTraits {
       GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>(),
       AtomLayout{}));
 
-  // All tiles keep the head dim contiguous in 128-byte swizzled rows.
-  using SmemAtom = GMMA::Layout_K_SW128_Atom<Element>;
+  // All tiles keep the head dim contiguous in swizzled rows: 128-byte ones where the head dim is a multiple
+  // of 64 elements, else 64-byte ones (D = 96: three per row).
+  using SmemAtom = std::conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+                                      GMMA::Layout_K_SW64_Atom<Element>>;
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<TileM, TileD>{}));
   using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<TileN, TileD, Int<kStages>>{}));
   using SmemLayoutV = SmemLayoutK;

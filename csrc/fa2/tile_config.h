@@ -79,6 +79,18 @@ struct TileConfig<64, Causal> {
   static constexpr bool kPersistent = true;
   static constexpr int kHeaviestFirstStrideMaxSeqlenQ = 2048;
 };
+// D=96 (Phi-3 and others; 80 runs here too, zero-padded): D=128's tiles, head-dim rows in 64-byte swizzle
+// atoms. Q 24 KB + three K and three V stages (24 KB each) + O staged apart. Built on request
+// (FA2_INDUCTOR_HEAD_DIMS), untimed so far.
+template <bool Causal>
+struct TileConfig<96, Causal> {
+  static constexpr bool kPingPong = FA2_PINGPONG_HDIM128;
+  static constexpr int kBlockM = 128, kBlockN = 128, kStages = 3;
+  static constexpr int kMaskBlockN = kBlockN, kMaskStages = kStages;
+  static constexpr bool kPersistent = true;
+  static constexpr int kLongBlockM = 0, kLongMinSeqlenQ = 0;
+  static constexpr int kHeaviestFirstStrideMaxSeqlenQ = 1024;
+};
 template <bool Causal>
 struct TileConfig<128, Causal> {
   static constexpr bool kPingPong = FA2_PINGPONG_HDIM128;

@@ -1,5 +1,5 @@
-"""Head dims without a kernel of their own: they run on the smallest larger
-compiled kernel, zero-padded by its TMA loads and clipped by its stores. Forward (plain, causal, bool and
+"""Head dims without a kernel of their own (96 has one where the build asked for it): they run on the
+smallest larger compiled kernel, zero-padded by its TMA loads and clipped by its stores. Forward (plain, causal, bool and
 additive masks, GQA, strided) and backward (dq, dk, dv, the additive mask's gradient) against the float64
 reference with FlashAttention's 2x rule, into NaN-poisoned outputs, so a column written past the tensor's
 head dim or one left unwritten fails. A head dim that is not a multiple of 8 stays with the reference. Skipped
