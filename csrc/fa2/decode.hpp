@@ -4,9 +4,9 @@
 // (query tile, head) leaves most SMs idle while it walks a long cache. Here:
 // - the query rows of one GQA group (its Hq/Hkv heads x Sq rows) are packed into 16-row tiles, so K/V are
 //   read once per group rather than once per query head;
-// - the keys are split across CTAs (grid: row tiles x (batch, KV head) x splits), each writing a float32
-//   partial output normalised by its own row sums, with its row max and sum; a second kernel combines the
-//   splits by those (and a sink, if any) into out and lse;
+// - the key blocks are dealt out to CTAs in turn (grid: row tiles x (batch, KV head) x splits), each
+//   writing a float32 partial output normalised by its own row sums, with its row max and sum; a second
+//   kernel combines the splits by those (and a sink, if any) into out and lse;
 // - inside a CTA the 4 warps take 16 keys each of a 64-key block (D = 256: two warps per 16 keys, half of
 //   the columns each, 32-key blocks; mma.sync m16n8k16, operands from shared memory through ldmatrix; K/V
 //   blocks in kStages cp.async stages), then merge their rows in shared memory;
@@ -122,8 +122,7 @@ struct Plan {
   int groups = 1;            // query heads per KV head
   int row_tiles = 1;         // 16-row tiles per (batch, KV head)
   int num_blocks = 0;        // blocks of Config::kBlockN keys
-  int splits = 1;
-  int blocks_per_split = 1;
+  int splits = 1;             // split s takes blocks s, s + splits, ... (at most kMaxBlocksPerSplit)
   int64_t partial_rows = 0;  // B * Hq * Sq
   int64_t workspace_bytes = 0;
 };
@@ -237,8 +236,10 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
            int64_t(packed % p.seqlen_q) * p.q_row_stride;
   };
 
-  const int first_block = split * plan.blocks_per_split;
-  const int num_blocks = min(plan.blocks_per_split, plan.num_blocks - first_block);
+  // Split s takes key blocks s, s + splits, s + 2 splits, ...: where only some keys are visible (a static
+  // cache's filled prefix) they spread over every split instead of filling the first few.
+  const int num_blocks = (plan.num_blocks - split + plan.splits - 1) / plan.splits;
+  auto key_block = [&](int local) { return split + local * plan.splits; };
 
   // 1. The blocks of this split that some row of the tile sees.
   if (tid == 0) visible_blocks = 0ull;
@@ -251,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
       const int rows_here = min(kRows, rows_total - tile * kRows);
       const int keys = num_blocks * kBlockN, rows = p.mask_head_stride == 0 ? min(rows_here, p.seqlen_q) : rows_here;
       for (int idx = tid; idx < rows * keys; idx += kThreads) {
-        const int r = idx / keys, local = idx % keys, j = first_block * kBlockN + local;
+        const int r = idx / keys, local = idx % keys, j = key_block(local / kBlockN) * kBlockN + local % kBlockN;
         const RowView row = row_view(r);
         bool visible = position_visible(p, row, j);
         if (visible) read_mask(p, row.mask, j, visible);
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
     } else if (tid < num_blocks) {
       for (int r = 0; r < kRows; ++r) {  // a block is seen if a row sees its first or last key in range
         const RowView row = row_view(r);
-        const int j0 = (first_block + tid) * kBlockN, j1 = min(j0 + kBlockN, p.seqlen_k) - 1;
+        const int j0 = key_block(tid) * kBlockN, j1 = min(j0 + kBlockN, p.seqlen_k) - 1;
         const int lo = p.window_left >= 0 ? max(j0, row.i - p.window_left) : j0;
         const int hi = p.causal ? min(j1, row.i) : j1;
         if (row.real && lo <= hi) mine |= 1ull << tid;
@@ -282,7 +283,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
   auto load_block = [&](int stage, int block) {
     T* k_dst = stage_smem + stage * S::kStageElems;
     T* v_dst = k_dst + kBlockN * kPitch;
-    const int j0 = (first_block + block) * kBlockN;
+    const int j0 = key_block(block) * kBlockN;
     const T* k_base = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
     const T* v_base = static_cast<const T*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
     for (int idx = tid; idx < kBlockN * kChunks; idx += kThreads) {
@@ -327,7 +328,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
     const T* v_smem = k_smem + kBlockN * kPitch;
 
     // Visibility and mask terms first: their loads are in flight while the MMAs run.
-    const int key0 = (first_block + block) * kBlockN + group * 16;
+    const int key0 = key_block(block) * kBlockN + group * 16;
     bool visible[2][4];
     float bias[2][4];
 #pragma unroll
@@ -579,7 +580,6 @@ Plan make_plan(const FwdParams& p) {
   const int64_t ctas = int64_t(p.batch) * p.heads_kv * plan.row_tiles;
   const int64_t slots = int64_t(sm_count()) * resident_ctas_per_sm<HeadDim, Dt>();
   plan.splits = choose_splits(ctas, plan.num_blocks, slots);
-  plan.blocks_per_split = (plan.num_blocks + plan.splits - 1) / plan.splits;
   plan.partial_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   const int64_t floats = int64_t(plan.splits) * plan.partial_rows * (p.head_dim + 2);
   plan.workspace_bytes = (floats * int64_t(sizeof(float)) + 255) / 256 * 256;
