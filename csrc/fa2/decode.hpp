@@ -6,7 +6,8 @@
 //   read once per group rather than once per query head;
 // - the key blocks are dealt out to CTAs in turn (grid: row tiles x (batch, KV head) x splits), each
 //   writing a float32 partial output normalised by its own row sums, with its row max and sum; a second
-//   kernel combines the splits by those (and a sink, if any) into out and lse;
+//   kernel combines the splits by those (and a sink, if any) into out and lse; a call planned with one split
+//   has the split kernel write out and lse itself;
 // - inside a CTA the 4 warps take 16 keys each of a 64-key block (D = 256: two warps per 16 keys, half of
 //   the columns each, 32-key blocks; mma.sync m16n8k16, operands from shared memory through ldmatrix; K/V
 //   blocks in kStages cp.async stages), then merge their rows in shared memory;
@@ -187,6 +188,17 @@ __device__ __forceinline__ bool position_visible(const FwdParams& p, const RowVi
   return true;
 }
 
+// A row's LSE from the max of its visible scores and its sum of exp(score - max) (-inf with no visible key), and
+// the factor its normalised output takes where a sink joins the denominator: lse' = logaddexp(lse, sink),
+// out' = out * exp(lse - lse') (0 for a row that sees no key: its weight is all on the sink).
+__device__ __forceinline__ float2 finish_row(float row_max, float row_sum, const float* sinks, int head) {
+  const float lse = row_sum > 0.f ? row_max + logf(row_sum) : -INFINITY;
+  if (sinks == nullptr) return make_float2(lse, 1.f);
+  const float sink = sinks[head];
+  const float joined = lse == -INFINITY ? sink : fmaxf(lse, sink) + log1pf(expf(-fabsf(lse - sink)));
+  return make_float2(joined, lse == -INFINITY ? 0.f : expf(lse - joined));
+}
+
 template <int HeadDim, DType Dt>
 __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args) {
   using S = Smem<HeadDim, Dt>;
@@ -204,6 +216,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
   T* stage_smem = q_smem + kRows * kPitch;
   __shared__ unsigned long long visible_blocks;
   __shared__ float group_max[C::kKeyGroups][kRows], group_sum[C::kKeyGroups][kRows];
+  __shared__ float out_factor[kRows];  // one split: each row's sink factor (finish_row)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = warp / C::kColSplit, col0 = (warp % C::kColSplit) * C::kCols;  // keys group*16.., columns col0..
@@ -435,10 +448,16 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
     }
     if (warp == 0 && qc == 0 && rows[h].real) {
       const int packed = tile * kRows + r;
-      const int head = kv_head * plan.groups + packed / p.seqlen_q;
-      const int64_t row_index = (int64_t(batch) * p.heads_q + head) * p.seqlen_q + packed % p.seqlen_q;
-      args.max_partial[split * plan.partial_rows + row_index] = tile_sum[h] > 0.f ? tile_max[h] : -INFINITY;
-      args.sum_partial[split * plan.partial_rows + row_index] = tile_sum[h];
+      const int head = kv_head * plan.groups + packed / p.seqlen_q, i = packed % p.seqlen_q;
+      if (plan.splits == 1) {
+        const float2 finished = finish_row(tile_max[h], tile_sum[h], p.sinks, head);
+        p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + i] = finished.x;
+        out_factor[r] = finished.y;
+      } else {
+        const int64_t row_index = (int64_t(batch) * p.heads_q + head) * p.seqlen_q + i;
+        args.max_partial[split * plan.partial_rows + row_index] = tile_sum[h] > 0.f ? tile_max[h] : -INFINITY;
+        args.sum_partial[split * plan.partial_rows + row_index] = tile_sum[h];
+      }
     }
   }
   __syncthreads();
@@ -449,9 +468,14 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
     float sum = 0.f;
 #pragma unroll
     for (int g = 0; g < C::kKeyGroups; ++g) sum += partial[(g * kRows + r) * HeadDim + d];
-    const int head = kv_head * plan.groups + packed / p.seqlen_q;
-    const int64_t row_index = (int64_t(batch) * p.heads_q + head) * p.seqlen_q + packed % p.seqlen_q;
-    args.o_partial[(split * plan.partial_rows + row_index) * p.head_dim + d] = sum;
+    const int head = kv_head * plan.groups + packed / p.seqlen_q, i = packed % p.seqlen_q;
+    if (plan.splits == 1) {
+      T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride + int64_t(i) * p.o_row_stride;
+      out[d] = Element<Dt>::from_float(sum * out_factor[r]);
+    } else {
+      const int64_t row_index = (int64_t(batch) * p.heads_q + head) * p.seqlen_q + i;
+      args.o_partial[(split * plan.partial_rows + row_index) * p.head_dim + d] = sum;
+    }
   }
 }
 
@@ -490,14 +514,8 @@ __global__ void __launch_bounds__(32 * kCombineRowsPerCta) decode_combine_kernel
   for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
   __syncwarp();
 
-  float lse = total > 0.f ? top + logf(total) : -INFINITY;
-  float out_scale = total > 0.f ? 1.f / total : 0.f;
-  if (p.sinks != nullptr) {  // the sink joins the denominator: lse' = logaddexp(lse, sink), out * exp(lse - lse')
-    const float sink = p.sinks[head];
-    const float joined = lse == -INFINITY ? sink : fmaxf(lse, sink) + log1pf(expf(-fabsf(lse - sink)));
-    out_scale *= lse == -INFINITY ? 0.f : expf(lse - joined);
-    lse = joined;
-  }
+  const float2 finished = finish_row(top, total, p.sinks, head);
+  const float lse = finished.x, out_scale = total > 0.f ? finished.y / total : 0.f;
   T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride + int64_t(i) * p.o_row_stride;
   for (int d = 4 * lane; d < p.head_dim; d += 128) {  // head_dim is a multiple of 8
     float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -581,7 +599,8 @@ Plan make_plan(const FwdParams& p) {
   const int64_t slots = int64_t(sm_count()) * resident_ctas_per_sm<HeadDim, Dt>();
   plan.splits = choose_splits(ctas, plan.num_blocks, slots);
   plan.partial_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
-  const int64_t floats = int64_t(plan.splits) * plan.partial_rows * (p.head_dim + 2);
+  // One split writes out and lse itself: partial rows only for the combine.
+  const int64_t floats = plan.splits == 1 ? 0 : int64_t(plan.splits) * plan.partial_rows * (p.head_dim + 2);
   plan.workspace_bytes = (floats * int64_t(sizeof(float)) + 255) / 256 * 256;
   return plan;
 }
@@ -598,12 +617,13 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
   using namespace decode;
   if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0) return cudaSuccess;
   if (p.head_dim <= 0 || p.head_dim > HeadDim || p.head_dim % 8 != 0 || p.seqlen_k <= 0 ||
-      p.seqlen_q > kDecodeMaxSeqlenQ || workspace == nullptr) {
+      p.seqlen_q > kDecodeMaxSeqlenQ) {
     return cudaErrorInvalidValue;
   }
   const SoftcapFactors softcap = softcap_factors(p.scale, p.softcap);
   Args args{p, make_plan<HeadDim, Dt>(p), nullptr, nullptr, nullptr, softcap.in, softcap.out};
   const Plan& plan = args.plan;
+  if (plan.workspace_bytes > 0 && workspace == nullptr) return cudaErrorInvalidValue;
   if (plan.splits > kMaxGridDim || int64_t(p.batch) * p.heads_kv * plan.row_tiles > 0x7fffffff) {
     return cudaErrorInvalidConfiguration;
   }
@@ -619,7 +639,7 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
   dim3 grid(unsigned(int64_t(p.batch) * p.heads_kv * plan.row_tiles), unsigned(plan.splits));
   kernel<<<grid, kThreads, smem_bytes, stream>>>(args);
   err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
+  if (err != cudaSuccess || plan.splits == 1) return err;
   const int64_t combine_ctas = (plan.partial_rows + kCombineRowsPerCta - 1) / kCombineRowsPerCta;
   return launch_after_prior_grid(&decode_combine_kernel<Dt>, dim3(unsigned(combine_ctas)),
                                  dim3(32 * kCombineRowsPerCta), 0, stream, args);

@@ -81,6 +81,19 @@ def test_static_cache_masks(fill, sq):
     check_forward(q, k, v, False, 0.0, None, mask)
 
 
+def test_one_split_writes_out_and_lse_itself():
+    """Batch 32 x 8 KV heads fill the GPU with one split each at 700 keys, so the split kernel writes out and
+    lse without the combine kernel: sinks, a padding mask and a sequence that sees no key included."""
+    needs_kernel(128, "bf16")
+    q, k, v = make_qkv(32, 32, 8, 1, 700, 128, torch.bfloat16, layout="bshd", seed=13)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    mask = torch.rand(32, 1, 1, 700, device=DEV, generator=g) > 0.3
+    mask[5] = False
+    sinks = torch.linspace(-1.0, 2.0, 32, device=DEV)
+    out, lse = check_forward(q, k, v, False, 0.0, sinks, mask)
+    assert out[5].abs().max().item() == 0.0 and torch.equal(lse[5, :, 0], sinks)  # all its weight on the sink
+
+
 def test_more_blocks_than_one_split_holds():
     needs_kernel(128, "bf16")
     q, k, v = make_qkv(1, 8, 1, 1, 65537, 128, torch.bfloat16, seed=3)
