@@ -627,9 +627,11 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
   if (plan.splits > kMaxGridDim || int64_t(p.batch) * p.heads_kv * plan.row_tiles > 0x7fffffff) {
     return cudaErrorInvalidConfiguration;
   }
-  args.o_partial = static_cast<float*>(workspace);  // first: 16-byte aligned for the combine's float4 loads
-  args.max_partial = args.o_partial + int64_t(plan.splits) * plan.partial_rows * p.head_dim;
-  args.sum_partial = args.max_partial + int64_t(plan.splits) * plan.partial_rows;
+  if (plan.splits > 1) {
+    args.o_partial = static_cast<float*>(workspace);  // first: 16-byte aligned for the combine's float4 loads
+    args.max_partial = args.o_partial + int64_t(plan.splits) * plan.partial_rows * p.head_dim;
+    args.sum_partial = args.max_partial + int64_t(plan.splits) * plan.partial_rows;
+  }
 
   auto kernel = &decode_split_kernel<HeadDim, Dt>;
   constexpr int smem_bytes = Smem<HeadDim, Dt>::kBytes;
