@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* q_smem = reinterpret_cast<T*>(smem_raw);
   T* stage_smem = q_smem + kRows * kPitch;
-  __shared__ unsigned long long visible_blocks;
+  __shared__ unsigned long long visible_blocks, masked_blocks;  // masked: a bool mask hides some key there
   __shared__ float group_max[C::kKeyGroups][kRows], group_sum[C::kKeyGroups][kRows];
   __shared__ float out_factor[kRows];  // one split: each row's sink factor (finish_row)
 
@@ -254,11 +254,12 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
   const int num_blocks = (plan.num_blocks - split + plan.splits - 1) / plan.splits;
   auto key_block = [&](int local) { return split + local * plan.splits; };
 
-  // 1. The blocks of this split that some row of the tile sees.
-  if (tid == 0) visible_blocks = 0ull;
+  // 1. The blocks of this split that some row of the tile sees, and those where the mask hides a key that the
+  // positions leave visible (elsewhere a bool mask's bits need not be read again).
+  if (tid == 0) visible_blocks = masked_blocks = 0ull;
   __syncthreads();
   {
-    unsigned long long mine = 0ull;
+    unsigned long long mine = 0ull, hidden = 0ull;
     if (p.mask != nullptr) {
       // With a mask shared by the heads, a row's visibility depends on its query position only: the tile's
       // first Sq rows hold every position it has.
@@ -268,8 +269,10 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
         const int r = idx / keys, local = idx % keys, j = key_block(local / kBlockN) * kBlockN + local % kBlockN;
         const RowView row = row_view(r);
         bool visible = position_visible(p, row, j);
-        if (visible) read_mask(p, row.mask, j, visible);
-        if (visible) mine |= 1ull << (local / kBlockN);
+        if (visible) {
+          read_mask(p, row.mask, j, visible);
+          (visible ? mine : hidden) |= 1ull << (local / kBlockN);
+        }
       }
     } else if (tid < num_blocks) {
       for (int r = 0; r < kRows; ++r) {  // a block is seen if a row sees its first or last key in range
@@ -281,6 +284,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
       }
     }
     if (mine) atomicOr(&visible_blocks, mine);
+    if (hidden) atomicOr(&masked_blocks, hidden);
   }
 
   // 2. The query tile into shared memory (padding rows and columns as zeros).
@@ -340,8 +344,10 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
     const T* k_smem = stage_smem + stage * S::kStageElems;
     const T* v_smem = k_smem + kBlockN * kPitch;
 
-    // Visibility and mask terms first: their loads are in flight while the MMAs run.
+    // Visibility and mask terms first: their loads are in flight while the MMAs run. A float mask's values
+    // are always read; a bool mask's only in blocks where it hides a key.
     const int key0 = key_block(block) * kBlockN + group * 16;
+    const bool read_mask_here = p.mask_dtype != MaskDType::kBool || (masked_blocks >> block & 1ull);
     bool visible[2][4];
     float bias[2][4];
 #pragma unroll
@@ -350,7 +356,8 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
       for (int c = 0; c < 4; ++c) {
         const int h = c / 2, j = key0 + n * 8 + 2 * qc + (c % 2);
         visible[n][c] = position_visible(p, rows[h], j);
-        bias[n][c] = visible[n][c] && rows[h].mask != nullptr ? read_mask(p, rows[h].mask, j, visible[n][c]) : 0.f;
+        bias[n][c] = visible[n][c] && rows[h].mask != nullptr && read_mask_here
+                         ? read_mask(p, rows[h].mask, j, visible[n][c]) : 0.f;
       }
     }
 
