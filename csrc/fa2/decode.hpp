@@ -8,9 +8,9 @@
 //   writing a float32 partial output normalised by its own row sums, with its row max and sum; a second
 //   kernel combines the splits by those (and a sink, if any) into out and lse; a call planned with one split
 //   has the split kernel write out and lse itself;
-// - inside a CTA the 4 warps take 16 keys each of a 64-key block (D = 256: two warps per 16 keys, half of
-//   the columns each, 32-key blocks; mma.sync m16n8k16, operands from shared memory through ldmatrix; K/V
-//   blocks in kStages cp.async stages), then merge their rows in shared memory;
+// - inside a CTA the 4 warps take 16 keys each of a 64-key block (from D = 192: two warps per 16 keys, half
+//   of the columns each, 32-key blocks; see Config; mma.sync m16n8k16, operands from shared memory through
+//   ldmatrix; K/V blocks in kStages cp.async stages), then merge their rows in shared memory;
 // - before its loop a CTA finds which of its key blocks any of its rows sees (mask, causal/window, Sk)
 //   and only loads those: the unfilled slots of a static KV cache (masked keys) cost a mask read, not a
 //   K/V read.
@@ -33,8 +33,6 @@
 namespace fa2 {
 namespace decode {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
 constexpr int kRows = 16;                    // packed query rows per CTA (one m16 tile)
 constexpr int kStages = 3;                   // K/V blocks in flight per CTA
 constexpr int kMaxBlocksPerSplit = 64;       // a split's visible-block set is one 64-bit word
@@ -42,14 +40,22 @@ constexpr int kCombineRowsPerCta = 4;        // one warp per output row
 constexpr int kCombineMaxSplits = 256;       // split weights a combining warp keeps in shared memory
 constexpr float kLog2e = 1.4426950408889634f;
 
-// The warps split a block's keys 16 each. At D = 256 two warps share a key group and take half of the
-// output columns each: a 16 x 256 float accumulator does not fit one warp's registers.
+// The warps split a block's keys 16 each (key groups: 4, a 64-key block; 2 from D = 192, 32-key blocks). Above
+// D = 128 two warps share a key group and take half of the output columns each: a 16 x 256 float accumulator does
+// not fit one warp's registers. FA2_DECODE_COL_SPLIT=2 does the same at D <= 128: twice the warps per CTA (each
+// computes its key group's scores, as the pair's other warp does) to hide more latency; untimed so far.
+#ifndef FA2_DECODE_COL_SPLIT
+#define FA2_DECODE_COL_SPLIT 1
+#endif
 template <int HeadDim>
 struct Config {
-  static constexpr int kColSplit = HeadDim > 128 ? 2 : 1;
-  static constexpr int kKeyGroups = kWarps / kColSplit;
+  static constexpr int kColSplit = HeadDim > 128 ? 2 : FA2_DECODE_COL_SPLIT;
+  static constexpr int kKeyGroups = HeadDim > 128 ? 2 : 4;
+  static constexpr int kWarps = kKeyGroups * kColSplit;
+  static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockN = 16 * kKeyGroups;    // keys per block
   static constexpr int kCols = HeadDim / kColSplit;  // output columns per warp
+  static_assert(kCols % 16 == 0, "a warp's columns are whole 16-wide MMA tiles");
 };
 
 template <DType Dt>
@@ -200,7 +206,7 @@ __device__ __forceinline__ float2 finish_row(float row_max, float row_sum, const
 }
 
 template <int HeadDim, DType Dt>
-__global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args) {
+__global__ void __launch_bounds__(Config<HeadDim>::kThreads) decode_split_kernel(const Args args) {
   using S = Smem<HeadDim, Dt>;
   using C = Config<HeadDim>;
   using T = typename S::T;
@@ -265,7 +271,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
       // first Sq rows hold every position it has.
       const int rows_here = min(kRows, rows_total - tile * kRows);
       const int keys = num_blocks * kBlockN, rows = p.mask_head_stride == 0 ? min(rows_here, p.seqlen_q) : rows_here;
-      for (int idx = tid; idx < rows * keys; idx += kThreads) {
+      for (int idx = tid; idx < rows * keys; idx += C::kThreads) {
         const int r = idx / keys, local = idx % keys, j = key_block(local / kBlockN) * kBlockN + local % kBlockN;
         const RowView row = row_view(r);
         bool visible = position_visible(p, row, j);
@@ -288,7 +294,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
   }
 
   // 2. The query tile into shared memory (padding rows and columns as zeros).
-  for (int idx = tid; idx < kRows * kChunks; idx += kThreads) {
+  for (int idx = tid; idx < kRows * kChunks; idx += C::kThreads) {
     const int r = idx / kChunks, c = idx % kChunks;
     const bool valid = tile * kRows + r < rows_total && c * 8 < p.head_dim;
     cp_async_16(smem_address(q_smem + r * kPitch + c * 8), valid ? q_row_ptr(r) + c * 8 : p.q, valid);
@@ -303,7 +309,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
     const int j0 = key_block(block) * kBlockN;
     const T* k_base = static_cast<const T*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
     const T* v_base = static_cast<const T*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
-    for (int idx = tid; idx < kBlockN * kChunks; idx += kThreads) {
+    for (int idx = tid; idx < kBlockN * kChunks; idx += C::kThreads) {
       const int n = idx / kChunks, c = idx % kChunks, j = j0 + n;
       const bool valid = j < p.seqlen_k && c * 8 < p.head_dim;
       cp_async_16(smem_address(k_dst + n * kPitch + c * 8), valid ? k_base + int64_t(j) * p.k_row_stride + c * 8 : p.k,
@@ -468,7 +474,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const Args args)
     }
   }
   __syncthreads();
-  for (int idx = tid; idx < kRows * p.head_dim; idx += kThreads) {
+  for (int idx = tid; idx < kRows * p.head_dim; idx += C::kThreads) {
     const int r = idx / p.head_dim, d = idx % p.head_dim;
     const int packed = tile * kRows + r;
     if (packed >= rows_total) continue;
@@ -566,7 +572,8 @@ int resident_ctas_per_sm() {
     constexpr int smem_bytes = Smem<HeadDim, Dt>::kBytes;
     int n = 0;
     if (allow_dynamic_smem<&decode_split_kernel<HeadDim, Dt>>(smem_bytes) == cudaSuccess) {
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_split_kernel<HeadDim, Dt>, kThreads, smem_bytes);
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_split_kernel<HeadDim, Dt>, Config<HeadDim>::kThreads,
+                                                    smem_bytes);
     }
     counts[device] = n > 0 ? n : 1;
   }
@@ -646,7 +653,7 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
   cudaError_t err = allow_dynamic_smem<&decode_split_kernel<HeadDim, Dt>>(smem_bytes);
   if (err != cudaSuccess) return err;
   dim3 grid(unsigned(int64_t(p.batch) * p.heads_kv * plan.row_tiles), unsigned(plan.splits));
-  kernel<<<grid, kThreads, smem_bytes, stream>>>(args);
+  kernel<<<grid, Config<HeadDim>::kThreads, smem_bytes, stream>>>(args);
   err = cudaGetLastError();
   if (err != cudaSuccess || plan.splits == 1) return err;
   const int64_t combine_ctas = (plan.partial_rows + kCombineRowsPerCta - 1) / kCombineRowsPerCta;
