@@ -23,7 +23,8 @@
 #   overhead    python -m fa2_inductor.bench --overhead --json overhead.json (µs per call next to SDPA)
 #   score-mods  python -m fa2_inductor.bench --score-mods --json score_mods.json (soft-capping and sinks)
 #   decode      python -m fa2_inductor.bench --decode --json decode.json (decode steps vs every SDPA backend)
-#   e2e         python -m fa2_inductor.bench_e2e --json e2e.json (E2E_ARGS adds options, quotes allowed)
+#   e2e         python -m fa2_inductor.bench_e2e --json e2e.json --profile e2e_profile.txt (E2E_ARGS adds options,
+#               quotes allowed)
 #   e2e-train   python -m fa2_inductor.bench_e2e --phases train train_padded --json e2e_train.json (a training
 #               step of the same model, with and without padding; E2E_ARGS applies too)
 #   zoo         python -m fa2_inductor.bench_e2e --zoo --json zoo.json (real model shapes with attention_mask)
@@ -243,7 +244,7 @@ PY
   [[ -n $RESULT ]] || RESULT=$(last_line "$RESULTS/$1.log")
   return $rc
 }
-stage_e2e() { stage_e2e_run e2e; }
+stage_e2e() { stage_e2e_run e2e --profile "$RESULTS/e2e_profile.txt"; }
 stage_e2e_train() { stage_e2e_run e2e_train --phases train train_padded; }
 
 stage_demo() {
