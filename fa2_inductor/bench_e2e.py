@@ -334,9 +334,10 @@ def _prepare(variant: Variant, workload, result: Result, shape: dict, dtype, dev
 def run_phase(variants: list[Variant], workload, shape: dict, dtype, device, args) -> list[Result]:
     """Every variant on one phase and length: each model built, compiled, called and checked first, then all
     timed together in turns (``medians_in_turns``: one call of each per round, the order reversed every other
-    round), so that the GPU's clocks drifting over the phase reach every variant alike (timed one after the
-    other, two H200 runs read uncompiled SDPA's 2k prefill as 3.03 and 3.76 ms). The models and compiled
-    graphs are gone when this returns."""
+    round), so that the GPU's clocks drifting over the phase reach every variant alike. Timed one after the
+    other, a variant's time depended on what ran before it: the zoo's t5-base, every site refused and so
+    plain Inductor's code, read 1.20x and 1.72x the time of plain Inductor on the H200. The models and
+    compiled graphs are gone when this returns."""
     results, calls = [], {}
     torch._dynamo.reset()
     # The compiled models share their class's code, each with a cache entry of its own (guarded by its
