@@ -46,7 +46,7 @@ from torch._dynamo.utils import counters
 from . import config as fa2_config
 from . import hf
 from .bench import environment, exit_without_cuda, time_calls, write_json, zoo
-from .bench.profiling import profile_call
+from .bench.profiling import PROFILE_HEADER, append_profile
 from .bench.timing import keep_busy, medians_in_turns
 
 BASELINE = "sdpa + Inductor"
@@ -371,18 +371,12 @@ def run_phase(variants: list[Variant], workload, shape: dict, dtype, device, arg
 def _profile(calls: dict, results: list[Result], device, path: Path) -> None:
     """One more call of each variant under the profiler: its wall and kernel time into its Result, the
     profiler's table appended to ``path``."""
-    by_name = {r.variant: r for r in results}
-    with path.open("a") as report:
-        for name, call in calls.items():
-            result = by_name[name]
-            try:
-                found = profile_call(call, device)
-            except Exception as exc:  # the timing stands; the report says why this profile is missing
-                report.write(f"\n== {result.phase} {result.seqlen} {name}: not profiled: {_error_line(exc)}\n")
-                continue
-            result.profile_wall_ms, result.profile_device_ms = found.wall_ms, found.device_ms
-            report.write(f"\n== {result.phase} {result.seqlen} {name}: profiled call {found.wall_ms:.3f} ms, "
-                         f"kernels {found.device_ms:.3f} ms\n{found.table}\n")
+    for result in results:
+        if result.variant in calls:
+            found = append_profile(path, f"{result.phase} {result.seqlen} {result.variant}", calls[result.variant],
+                                   device)
+            if found is not None:
+                result.profile_wall_ms, result.profile_device_ms = found.wall_ms, found.device_ms
 
 
 def _print_progress(r: Result) -> None:
@@ -447,15 +441,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=Path("bench_e2e.json"))
     parser.add_argument(
         "--profile", type=Path, metavar="TXT",
-        help="after the timing, one more call of every variant under torch.profiler: its wall and kernel time in "
-             "the table and JSON, the profiler's table of its busiest kernels in TXT (not for generate, whose "
-             "decode steps run as CUDA graphs)"
+        help="after the timing, one more call of every variant (zoo: backend) under torch.profiler: its wall and "
+             "kernel time in the table and JSON, the profiler's table of its busiest kernels in TXT (not for "
+             "generate, whose decode steps run as CUDA graphs)"
     )
     parser.add_argument("--tiny", action="store_true", help="2-layer float32 model on CPU (for tests)")
     zoo.add_arguments(parser)
     args = parser.parse_args(argv)
-    if args.zoo and args.profile:
-        parser.error("--profile profiles the Llama-shaped model's phases; --zoo has no profile")
     return args
 
 
@@ -463,6 +455,8 @@ def main(argv=None) -> list:
     args = parse_args(argv)
     if not args.tiny:
         exit_without_cuda("python -m fa2_inductor.bench_e2e", "python -m fa2_inductor.bench_e2e --tiny")
+    if args.profile:
+        args.profile.write_text(PROFILE_HEADER)
     if args.zoo:
         return zoo.main(args)
     hf.register()
@@ -480,8 +474,6 @@ def main(argv=None) -> list:
         "results": [],
     }
     results = []
-    if args.profile:
-        args.profile.write_text("bench_e2e --profile: one call of each variant under torch.profiler, after the timing\n")
 
     def keep(finished: list) -> None:
         """Adds results and rewrites the JSON, so a run cut short keeps every phase and length it finished."""

@@ -597,3 +597,18 @@ def test_docs_results_is_regenerated_from_docs_measurements():
     assert (ROOT / "docs" / "results.md").read_text() == expected, (
         "docs/results.md is stale: python -m fa2_inductor.bench.results docs/measurements/*.json > docs/results.md"
     )
+
+
+def test_a_profiled_call_that_raises_leaves_its_reason_in_the_report(tmp_path):
+    from fa2_inductor.bench.profiling import append_profile
+
+    report = tmp_path / "profile.txt"
+
+    def broken():
+        raise RuntimeError("CUDA out of memory\nmore detail")
+
+    assert append_profile(report, "prefill 16 sdpa", broken, torch.device("cpu")) is None
+    assert append_profile(report, "prefill 16 eager", lambda: torch.ones(4).sum(), torch.device("cpu")) is not None
+    text = report.read_text()
+    assert "== prefill 16 sdpa: not profiled: RuntimeError: CUDA out of memory\n" in text
+    assert "== prefill 16 eager: profiled call" in text and "aten::sum" in text

@@ -150,9 +150,3 @@ def test_profile_reports_every_variant_after_its_timing(tmp_path, monkeypatch):
     assert all(f"== prefill 16 {name}: profiled call" in text for name in names)
     assert "fa2_inductor::flash_attention_fwd" in text  # the op shows in the interface's table
     assert "kernels ms" in bench_e2e.format_table(results)
-
-
-def test_profile_is_refused_with_the_zoo(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        bench_e2e.parse_args(["--zoo", "--profile", str(tmp_path / "p.txt")])
-    assert "--zoo has no profile" in capsys.readouterr().err

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+
+PROFILE_HEADER = "one call of each variant under torch.profiler, after the timing\n"
 
 
 @dataclass
@@ -37,3 +41,17 @@ def profile_call(fn: Callable[[], object], device: torch.device, row_limit: int 
     device_ms = sum(event.self_device_time_total for event in averages) / 1e3
     busiest = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     return CallProfile(wall_ms, device_ms, averages.table(sort_by=busiest, row_limit=row_limit))
+
+
+def append_profile(path: Path, title: str, fn: Callable[[], object], device: torch.device) -> Optional[CallProfile]:
+    """``fn`` profiled, its section (title, wall and kernel time, the table) appended to ``path``; None, with the
+    reason in its place, where the call raised (the caller's timing stands)."""
+    with path.open("a") as report:
+        try:
+            found = profile_call(fn, device)
+        except Exception as exc:
+            report.write(f"\n== {title}: not profiled: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}\n")
+            return None
+        report.write(f"\n== {title}: profiled call {found.wall_ms:.3f} ms, kernels {found.device_ms:.3f} ms\n"
+                     f"{found.table}\n")
+    return found

@@ -14,7 +14,8 @@ for each attention implementation the family has (``sdpa``, and ``eager`` where 
 compiled output is checked against the uncompiled one; the three are then timed in turns (one call of each
 per round, so the GPU's drift over an entry reaches all alike); the table shows the median forward time, the
 ratio of fa2_inductor to the best of eager and Inductor (same attention implementation), and the pass's
-counters (rewrites, their forms, refusals). The JSON is rewritten after every entry, so a run cut
+counters (rewrites, their forms, refusals). ``--profile TXT`` adds one profiled call of each (the JSON's
+runs get its wall and kernel time, TXT the busiest kernels). The JSON is rewritten after every entry, so a run cut
 short (``--budget-s``) keeps what it measured; ``--plot`` draws the ratios.
 """
 
@@ -30,6 +31,7 @@ from typing import Callable, Optional
 import torch
 from torch._dynamo.utils import counters
 
+from .profiling import append_profile
 from .report import environment, write_json
 from .timing import keep_busy, time_in_turns
 
@@ -56,6 +58,8 @@ class Run:
     median_ms: Optional[float] = None
     max_abs_diff: Optional[float] = None
     counters: dict = field(default_factory=dict)
+    profile_wall_ms: Optional[float] = None  # --profile: one more call under the profiler, start to end
+    profile_device_ms: Optional[float] = None  # --profile: that call's kernels, device time summed
     error: Optional[str] = None
 
 
@@ -192,6 +196,11 @@ def run_entry(entry: ZooEntry, device: torch.device, args, on_run: Callable[[Run
                 runs[backend].error = _error_text(result)
             else:
                 runs[backend].median_ms = statistics.median(result)
+        if args.profile:
+            for backend, call in calls.items():
+                found = append_profile(args.profile, f"{entry.name} {impl} {backend}", call, device)
+                if found is not None:
+                    runs[backend].profile_wall_ms, runs[backend].profile_device_ms = found.wall_ms, found.device_ms
         for run in runs.values():
             on_run(run)
         del model, expected, calls
