@@ -46,8 +46,8 @@ from torch._dynamo.utils import counters
 from . import config as fa2_config
 from . import hf
 from .bench import environment, exit_without_cuda, time_calls, write_json, zoo
-from .bench.profiling import PROFILE_HEADER, append_profile
-from .bench.timing import keep_busy, medians_in_turns
+from .bench.profiling import PROFILE_HEADER, profile_calls
+from .bench.timing import medians, time_compiled_in_turns
 
 BASELINE = "sdpa + Inductor"
 INFERENCE_PHASES = ("prefill", "decode", "decode_dynamic", "generate")
@@ -352,31 +352,20 @@ def run_phase(variants: list[Variant], workload, shape: dict, dtype, device, arg
             except Exception as exc:  # one failing variant (e.g. out of memory) must not lose the others
                 result.error = _error_line(exc)
             results.append(result)
-        if calls:
-            keep_busy(next(iter(calls.values())), device)  # after the compiles: GPU clocks back up
-        medians = medians_in_turns(calls, [()], device, warmup=args.warmup, reps=args.reps)
-        if args.profile:
-            _profile(calls, results, device, args.profile)
+        timed = medians(time_compiled_in_turns(calls, device, warmup=args.warmup, reps=args.reps))
+        title = lambda name: f"{workload.phase} {workload.seqlen} {name}"  # noqa: E731
+        profiles = profile_calls(args.profile, calls, title, device) if args.profile else {}
     for result in results:
-        median = medians.get(result.variant)
+        median, profile = timed.get(result.variant), profiles.get(result.variant)
         if isinstance(median, Exception):
             result.error = _error_line(median)
         elif median is not None:
             result.median_ms = median
+        if profile is not None:
+            result.profile_wall_ms, result.profile_device_ms = profile.wall_ms, profile.device_ms
     del calls
     _release_memory(device)
     return results
-
-
-def _profile(calls: dict, results: list[Result], device, path: Path) -> None:
-    """One more call of each variant under the profiler: its wall and kernel time into its Result, the
-    profiler's table appended to ``path``."""
-    for result in results:
-        if result.variant in calls:
-            found = append_profile(path, f"{result.phase} {result.seqlen} {result.variant}", calls[result.variant],
-                                   device)
-            if found is not None:
-                result.profile_wall_ms, result.profile_device_ms = found.wall_ms, found.device_ms
 
 
 def _print_progress(r: Result) -> None:

@@ -119,11 +119,11 @@ def test_the_variants_of_a_phase_are_timed_in_turns(monkeypatch):
     """Every variant is built and checked before any is timed, and the timing takes them all at once."""
     timed = []
 
-    def record_turns(calls, arg_sets, device, *, warmup, reps):
+    def record_turns(calls, device, *, warmup, reps):
         timed.append(list(calls))
-        return {name: 1.0 for name in calls}
+        return {name: [1.0] for name in calls}
 
-    monkeypatch.setattr(bench_e2e, "medians_in_turns", record_turns)
+    monkeypatch.setattr(bench_e2e, "time_compiled_in_turns", record_turns)
     names = ["eager", "sdpa"]
     with torch.random.fork_rng():  # build_model seeds the global generator
         workload = bench_e2e.Workload("prefill", bench_e2e.TINY_SHAPE, torch.float32, torch.device("cpu"), 8)

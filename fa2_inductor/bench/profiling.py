@@ -55,3 +55,10 @@ def append_profile(path: Path, title: str, fn: Callable[[], object], device: tor
         report.write(f"\n== {title}: profiled call {found.wall_ms:.3f} ms, kernels {found.device_ms:.3f} ms\n"
                      f"{found.table}\n")
     return found
+
+
+def profile_calls(path: Path, calls: dict[str, Callable[[], object]], title: Callable[[str], str],
+                  device: torch.device) -> dict[str, CallProfile]:
+    """``append_profile`` of each call, under ``title(name)``: the profiles of those that ran, by name."""
+    found = {name: append_profile(path, title(name), fn, device) for name, fn in calls.items()}
+    return {name: profile for name, profile in found.items() if profile is not None}

@@ -105,12 +105,26 @@ def time_in_turns(
     return {name: failed.get(name, times.get(name)) for name in calls}
 
 
+def medians(timed: dict[str, "list[float] | Exception"]) -> dict[str, "float | Exception"]:
+    """Each call's median milliseconds of ``time_in_turns``'s answer (or the exception it raised)."""
+    return {name: t if isinstance(t, Exception) else statistics.median(t) for name, t in timed.items()}
+
+
 def medians_in_turns(
     calls: dict[str, Callable], arg_sets: ArgSets, device: torch.device, *, warmup: int, reps: int
 ) -> dict[str, "float | Exception"]:
     """``time_in_turns``, as each call's median milliseconds (or the exception it raised)."""
-    timed = time_in_turns(calls, arg_sets, device, warmup=warmup, reps=reps)
-    return {name: t if isinstance(t, Exception) else statistics.median(t) for name, t in timed.items()}
+    return medians(time_in_turns(calls, arg_sets, device, warmup=warmup, reps=reps))
+
+
+def time_compiled_in_turns(
+    calls: dict[str, Callable], device: torch.device, *, warmup: int, reps: int
+) -> dict[str, "list[float] | Exception"]:
+    """``time_in_turns`` of argument-free calls just compiled: compiling let the GPU clock down, so the first
+    call keeps it busy before the rounds start."""
+    if calls:
+        keep_busy(next(iter(calls.values())), device)
+    return time_in_turns(calls, [()], device, warmup=warmup, reps=reps)
 
 
 def every_median(medians: dict[str, "float | Exception"]) -> dict[str, float]:

@@ -22,7 +22,6 @@ short (``--budget-s``) keeps what it measured; ``--plot`` draws the ratios.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,9 +30,9 @@ from typing import Callable, Optional
 import torch
 from torch._dynamo.utils import counters
 
-from .profiling import append_profile
+from .profiling import profile_calls
 from .report import environment, write_json
-from .timing import keep_busy, time_in_turns
+from .timing import medians, time_compiled_in_turns
 
 BACKENDS = ("eager", "inductor", "fa2_inductor")
 
@@ -191,16 +190,17 @@ def run_entry(entry: ZooEntry, device: torch.device, args, on_run: Callable[[Run
             runs[backend], call = _compile_and_check(entry, impl, backend, model, inputs, expected)
             if call is not None:
                 calls[backend] = call
-        for backend, result in _time(calls, device, args).items():
-            if isinstance(result, Exception):
-                runs[backend].error = _error_text(result)
+        # compiled on the same model: timed in turns so the GPU's drift over the entry reaches all alike
+        timed = medians(time_compiled_in_turns(calls, device, warmup=args.warmup, reps=args.reps))
+        for backend, median in timed.items():
+            if isinstance(median, Exception):
+                runs[backend].error = _error_text(median)
             else:
-                runs[backend].median_ms = statistics.median(result)
+                runs[backend].median_ms = median
         if args.profile:
-            for backend, call in calls.items():
-                found = append_profile(args.profile, f"{entry.name} {impl} {backend}", call, device)
-                if found is not None:
-                    runs[backend].profile_wall_ms, runs[backend].profile_device_ms = found.wall_ms, found.device_ms
+            title = lambda backend: f"{entry.name} {impl} {backend}"  # noqa: E731
+            for backend, profile in profile_calls(args.profile, calls, title, device).items():
+                runs[backend].profile_wall_ms, runs[backend].profile_device_ms = profile.wall_ms, profile.device_ms
         for run in runs.values():
             on_run(run)
         del model, expected, calls
@@ -226,14 +226,6 @@ def _compile_and_check(entry, impl, backend, model, inputs, expected) -> tuple[R
             forward(**inputs)
 
     return run, call
-
-
-def _time(calls: dict[str, Callable], device: torch.device, args) -> dict:
-    """The backends timed in turns (compiling cooled the GPU: one of them warms it first), so drift over the
-    entry reaches all alike."""
-    if calls and device.type == "cuda":
-        keep_busy(next(iter(calls.values())), device)
-    return time_in_turns(calls, [()], device, warmup=args.warmup, reps=args.reps)
 
 
 def _error_text(exc: Exception) -> str:
