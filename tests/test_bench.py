@@ -612,3 +612,14 @@ def test_a_profiled_call_that_raises_leaves_its_reason_in_the_report(tmp_path):
     text = report.read_text()
     assert "== prefill 16 sdpa: not profiled: RuntimeError: CUDA out of memory\n" in text
     assert "== prefill 16 eager: profiled call" in text and "aten::sum" in text
+
+
+def test_a_documents_build_names_the_head_dims_with_kernels_of_their_own():
+    from fa2_inductor.bench import results
+
+    env = {"gpu": "NVIDIA H200", "capability": "sm_90", "torch": "2.11.0", "fa2_inductor": "0.1.0",
+           "git_commit": "8e4df8f7189", "kernel_head_dims": [64, 96, 128], "started_utc": "2026-12-02T02:00:32+00:00"}
+    line = results.measured_on(env, "x.json")
+    assert "fa2_inductor 0.1.0 at commit 8e4df8f718 (kernels for head dims 64, 96, 128);" in line
+    del env["kernel_head_dims"]  # documents written before the field existed
+    assert "kernels for" not in results.measured_on(env, "x.json")

@@ -139,6 +139,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["gpu"] = torch.cuda.get_device_name(device)
         env["capability"] = f"sm_{major}{minor}"
         env["cudnn"] = torch.backends.cudnn.version()
+    if _extension.C is not None:  # which head dims ran on a kernel of their own (FA2_INDUCTOR_HEAD_DIMS)
+        env["kernel_head_dims"] = sorted({d for d, _ in _extension.C.compiled_kernels()})
     return env
 
 

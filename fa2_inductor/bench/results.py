@@ -52,6 +52,8 @@ def measured_on(env: dict, source: str) -> str:
     build = f"fa2_inductor {env.get('fa2_inductor', '?')}"
     if commit and commit != "HEAD":
         build += f" at commit {commit[:10]}"
+    if env.get("kernel_head_dims"):
+        build += f" (kernels for head dims {', '.join(map(str, env['kernel_head_dims']))})"
     parts.append(build + ("" if env.get("kernel_loaded", True) else " (kernel NOT loaded)"))
     when = (env.get("started_utc") or "?").replace("T", " ").replace("+00:00", " UTC")
     return f"Measured on {', '.join(parts)}; started {when}. Source: `{source}`."
