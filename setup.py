@@ -92,7 +92,7 @@ def generated_sources() -> list[str]:
     for path, text in units.items():
         _write_if_changed(ROOT / path, text)
     _write_if_changed(ROOT / table["GENERATED_DIR"] / "kernel_table.inc", table["binding_table"](head_dims, dtypes))
-    return list(units)  # compile_units' order: the build starts them in it
+    return list(units)  # in BUILD_ORDER, the order their names sort into and the build starts them in
 
 
 def _bound_max_jobs() -> None:

@@ -51,25 +51,27 @@ GENERATED_DIR = "csrc/generated"
 
 # The build starts the units in this order of their headers, heaviest first, so that a parallel build
 # ends on short jobs. nvcc sm_90a, one unit: backward 22-41 s (D=128 the most), forward 18-26 s, decode 2-3 s
-# (almost all of it cicc, the device front end).
+# (almost all of it cicc, the device front end). setuptools compiles an extension's sources sorted by name
+# (for reproducible builds), so a unit's name starts with its header's rank here; the shared units come last.
 BUILD_ORDER = (BACKWARD, FORWARD, DECODE)
 
 
 def compile_units(head_dims, dtypes) -> dict[str, str]:
-    """{path relative to the repo: source} of every compile unit of a build, in BUILD_ORDER."""
+    """{path relative to the repo: source} of every compile unit of a build, in BUILD_ORDER (names sort so)."""
     units = {}
-    for header in BUILD_ORDER:
+    for rank, header in enumerate(BUILD_ORDER):
         for d in sorted(head_dims):
             for name in sorted(dtypes):
                 for variant, (what, variant_header, lines) in VARIANTS.items():
                     if variant_header != header or (header == BACKWARD and d not in BACKWARD_HEAD_DIMS):
                         continue
                     body = "\n".join(line.format(d=d, t=DTYPES[name]) for line in lines)
-                    units[f"{GENERATED_DIR}/hdim{d}_{name}_{variant}.cu"] = (
+                    units[f"{GENERATED_DIR}/{rank}_hdim{d}_{name}_{variant}.cu"] = (
                         f"// Generated from csrc/kernel_table.py: head dim {d}, {name}, {what}.\n"
                         f'#include "{header}"\n{body}\n')
     for unit, (what, source) in SHARED_UNITS.items():
-        units[f"{GENERATED_DIR}/{unit}.cu"] = f"// Generated from csrc/kernel_table.py: {what}.\n{source}"
+        units[f"{GENERATED_DIR}/{len(BUILD_ORDER)}_{unit}.cu"] = (
+            f"// Generated from csrc/kernel_table.py: {what}.\n{source}")
     return units
 
 
