@@ -1,8 +1,8 @@
 // fa2_inductor._C: the Hopper kernels behind the ops fa2_inductor::flash_attention_fwd and flash_attention_bwd.
-// The only file that includes torch. Python owns the ops' schemas, fakes and autograd (fa2_inductor/ops.py);
-// loading this module registers their CUDA implementations and, for CUDA tensors, the same autograd formula
-// in C++ (TORCH_LIBRARY_IMPL at the end), so a call goes from the dispatcher to C++ without Python on the
-// kernels' path.
+// The only compile unit that includes torch. Python owns the ops' schemas, fakes and autograd
+// (fa2_inductor/ops.py); loading this module registers their CUDA implementations and, for CUDA tensors, the
+// same autograd formula in C++ (TORCH_LIBRARY_IMPL at the end), so a call goes from the dispatcher to C++
+// without Python on the kernels' path.
 //
 // Sections, in order:
 //   kernel table     the compiled (head dim, dtype) entries, from csrc/kernel_table.py
@@ -12,7 +12,9 @@
 //   input checks     the op's argument rules (ValueError), the same messages as ops.check_inputs
 //   support          "does the kernel run this call, and if not, why": the one place that decides, on
 //                    tensor metadata, so the graph pass (fake tensors) and explain ask it too
-//   reference hooks  the Python reference the CUDA path calls where the kernel does not run
+//   reference        what the CUDA path runs where the kernel does not: the reference's forward in ATen
+//                    (fa2/reference_aten.hpp), and the Python hooks that count it and run the backward's
+//                    fallbacks
 //   the op           its CUDA implementation: checks, support, outputs, special cases, empty-row policies
 //   backward         bwd: checked arguments -> fa2::BwdParams -> launches; the backward op's support rule and
 //                    CUDA implementation, with Python's fallback
@@ -39,6 +41,7 @@
 #include <vector>
 
 #include "fa2/params.h"
+#include "fa2/reference_aten.hpp"
 
 // Error messages and reasons are joined with std::string and std::to_string, never through an ostringstream
 // (c10::str, or TORCH_CHECK's own message formatting with several arguments): on the H200 machine this was
@@ -445,9 +448,9 @@ std::string py_sequence(c10::IntArrayRef sizes, const char* open, const char* cl
 std::string py_tuple(c10::IntArrayRef sizes) { return py_sequence(sizes, "(", ")", true); }
 std::string py_list(c10::IntArrayRef sizes) { return py_sequence(sizes, "[", "]", false); }
 
-// The op's empty_rows values (fa2_inductor.reference.EmptyRows); what each means is in the op's docs.
-enum class EmptyRows : int64_t { kZero = 0, kMeanV = 1, kAllKeys = 2 };
-constexpr int64_t kEmptyRowsCount = 3;
+// The op's empty_rows values (EmptyRows in fa2_inductor.reference and fa2/reference_aten.hpp).
+using fa2::EmptyRows;
+using fa2::kEmptyRowsCount;
 
 // Raises ValueError naming the problem when the arguments do not describe a valid attention: the rules and
 // messages of fa2_inductor.ops.check_inputs, in its order (tests/gpu/test_dispatch.py compares the two).
@@ -651,21 +654,19 @@ Reason kernel_unsupported_reason(const TensorMetaArgs& q, const TensorMetaArgs& 
                             window_left, softcap, has_sinks);
 }
 
-// -------------------------------------------------------------------------------------- reference hooks
+// -------------------------------------------------------------------------------------------- reference
 
-// Where the kernel does not run a call, the CUDA implementation calls back into Python rather than carry a
-// second, C++ copy of fa2_inductor.reference: that path is slow by nature (the reference's float32 matmuls),
-// so the Python call costs nothing that matters; the reference stays the one definition of the op's
-// numerics (blocking by query rows, empty-row policies) that every device and test shares; and the counters
-// and the once-per-reason warning live in Python (torch._dynamo.utils.counters, warnings) anyway.
-// fa2_inductor._cuda sets the hooks when it imports this module.
+// Where the kernels do not run a forward call, the CUDA implementation computes it with
+// fa2::reference_forward, the reference's forward in ATen ops on the call's own tensors: a deployment without
+// Python (a model exported and run from C++) still runs every forward call. fa2_inductor/reference.py stays
+// the definition of the op's numerics; the C++ port follows it op by op, and tests/test_reference_aten.py
+// holds the two to the same bits. Where Python is there, it counts these calls and warns once per reason
+// (torch._dynamo.utils.counters, warnings), and it runs the backward's fallbacks (PyTorch's flash backward,
+// the reference's backward). fa2_inductor._cuda sets the hooks when it imports this module.
 struct ReferenceHooks {
-  // (reason, q, k, v, attn_mask, scale, is_causal, window_left, empty_rows, softcap, sinks) -> (out, lse): counts the call
-  // under reference_fallback:<reason>, warns once per reason, returns the reference's outputs.
-  pybind11::object fallback;
-  // reference.attention_forward(q, k, v, attn_mask, scale, is_causal, out, lse, window_left, empty_rows, softcap,
-  // sinks).
-  pybind11::object forward_into;
+  // (reason) -> None: counts a call that runs the reference under reference_fallback:<reason>, warns once
+  // per reason.
+  pybind11::object note_fallback;
   // (reason, grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left, softcap,
   // sinks) -> the backward op's five outputs where our backward kernel does not run the call: counted under
   // backward_fallback:<reason>, PyTorch's flash backward where it can, else the reference.
@@ -676,11 +677,10 @@ struct ReferenceHooks {
 // Never destroyed: Python objects must not be released after the interpreter has gone.
 ReferenceHooks* reference_hooks = nullptr;
 
-void set_reference_hooks(pybind11::object fallback, pybind11::object forward_into, pybind11::object backward_fallback,
+void set_reference_hooks(pybind11::object note_fallback, pybind11::object backward_fallback,
                          pybind11::object sinks_gradient) {
   if (reference_hooks == nullptr) reference_hooks = new ReferenceHooks();
-  reference_hooks->fallback = std::move(fallback);
-  reference_hooks->forward_into = std::move(forward_into);
+  reference_hooks->note_fallback = std::move(note_fallback);
   reference_hooks->backward_fallback = std::move(backward_fallback);
   reference_hooks->sinks_gradient = std::move(sinks_gradient);
 }
@@ -691,37 +691,29 @@ const ReferenceHooks& hooks_for(const std::string& why) {
   return *reference_hooks;
 }
 
+// The reference is correct but slow, so its use is announced: through Python's hook where it is set, else
+// (no Python) by one warning per process, naming the first reason.
+void note_reference_fallback(const std::string& reason) {
+  if (reference_hooks == nullptr) {
+    TORCH_WARN_ONCE(join("fa2_inductor: CUDA call runs the (slow) reference implementation: ", reason));
+    return;
+  }
+  pybind11::gil_scoped_acquire gil;
+  reference_hooks->note_fallback(reason);
+}
+
 std::tuple<at::Tensor, at::Tensor> reference_fallback(const std::string& reason, const at::Tensor& q,
                                                       const at::Tensor& k, const at::Tensor& v,
                                                       const std::optional<at::Tensor>& mask, double scale,
                                                       bool is_causal, int64_t window_left, int64_t empty_rows,
                                                       double softcap, const std::optional<at::Tensor>& sinks) {
-  pybind11::gil_scoped_acquire gil;
-  const pybind11::object result =
-      hooks_for(reason).fallback(reason, q, k, v, mask, scale, is_causal, window_left, empty_rows, softcap, sinks);
-  return result.cast<std::tuple<at::Tensor, at::Tensor>>();
-}
-
-void reference_forward_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::optional<at::Tensor>& mask, double scale, bool is_causal, at::Tensor& out,
-                            at::Tensor& lse, int64_t window_left, int64_t empty_rows, double softcap,
-                            const std::optional<at::Tensor>& sinks) {
-  pybind11::gil_scoped_acquire gil;
-  hooks_for("scale 0").forward_into(q, k, v, mask, scale, is_causal, out, lse, window_left, empty_rows, softcap,
-                                    sinks);
+  note_reference_fallback(reason);
+  auto [out, lse] = fa2::empty_outputs(q, v);
+  fa2::reference_forward(q, k, v, mask, scale, is_causal, out, lse, window_left, empty_rows, softcap, sinks);
+  return {out, lse};
 }
 
 // ------------------------------------------------------------------------------------------------ the op
-
-// Uninitialised (out, lse) with the layout every implementation returns (reference.empty_outputs, which the
-// fake implementation uses; opcheck compares them): out [B, Hq, Sq, Dv] with the strides of a [B, Sq, Hq, Dv]
-// buffer, lse contiguous float32 [B, Hq, Sq].
-std::tuple<at::Tensor, at::Tensor> empty_outputs(const at::Tensor& q, const at::Tensor& v) {
-  const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), dv = v.size(3);
-  at::Tensor out = at::empty({b, sq, hq, dv}, q.options()).transpose(1, 2);
-  at::Tensor lse = at::empty({b, hq, sq}, q.options().dtype(at::kFloat));
-  return {out, lse};
-}
 
 // The op's meaning on the kernel, into preallocated out and lse, for calls unsupported_reason accepted.
 void forward(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
@@ -740,7 +732,7 @@ void forward(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, a
     return;
   }
   if (scale == 0) {  // rare: the kernels mask scores with -inf before scaling (0 * -inf = NaN)
-    reference_forward_into(q_in, k, v, mask, 0.0, is_causal, out, lse, window_left, empty_rows, softcap, sinks);
+    fa2::reference_forward(q_in, k, v, mask, 0.0, is_causal, out, lse, window_left, empty_rows, softcap, sinks);
     return;
   }
   at::Tensor q = q_in;
@@ -763,7 +755,7 @@ void forward(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, a
   } else if (empty_rows == int64_t(EmptyRows::kAllKeys)) {
     // Unmasked (still soft-capped) attention for the query tiles holding an empty row (the others exit at
     // once), then those rows copied over. Sinks never come here: they leave no row empty.
-    auto [unmasked, unmasked_lse] = empty_outputs(q, v);
+    auto [unmasked, unmasked_lse] = fa2::empty_outputs(q, v);
     fwd(q, k, v, unmasked, unmasked_lse, scale, false, -1, lse, softcap, std::nullopt, /*after_own_kernel=*/true);
     fill_empty_rows(out, lse, v, unmasked, /*after_own_kernel=*/true);
   }
@@ -785,7 +777,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_cuda(const at::Tensor& q,
     return reference_fallback(*reason, q, k, v, mask, scale, is_causal, window_left, empty_rows, softcap, sinks);
   }
   c10::cuda::CUDAGuard guard(q.device());
-  auto [out, lse] = empty_outputs(q, v);
+  auto [out, lse] = fa2::empty_outputs(q, v);
   forward(q, k, v, out, lse, scale, is_causal, mask, window_left, empty_rows, softcap, sinks);
   return {out, lse};
 }
@@ -794,7 +786,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_cuda(const at::Tensor& q,
 
 // Raised whenever a binding's arguments change, so that a build from older sources is refused at import
 // (fa2_inductor/_extension.py INTERFACE_VERSION) instead of failing at its first call.
-constexpr int64_t kInterfaceVersion = 6;
+constexpr int64_t kInterfaceVersion = 7;
 
 std::vector<std::tuple<int64_t, std::string>> compiled_kernels() {
   std::vector<std::tuple<int64_t, std::string>> result;
@@ -1248,11 +1240,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("attn_mask"), py::arg("is_causal"), py::arg("window_left"),
         py::arg("softcap") = 0.0, py::arg("has_sinks") = false);
   m.def("set_reference_hooks", &set_reference_hooks,
-        "The Python the CUDA implementations call: fallback(reason, q, k, v, attn_mask, scale, is_causal, "
-        "window_left, empty_rows, softcap, sinks) -> (out, lse), forward_into (reference.attention_forward), "
+        "The Python the CUDA implementations call: note_fallback(reason) where a forward runs the reference, "
         "backward_fallback(reason, grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, "
         "window_left, softcap, sinks) -> (dq, dk, dv, dmask, dsinks) and sinks_gradient(grad_out, out, lse, sinks)",
-        py::arg("fallback"), py::arg("forward_into"), py::arg("backward_fallback"), py::arg("sinks_gradient"));
+        py::arg("note_fallback"), py::arg("backward_fallback"), py::arg("sinks_gradient"));
   m.def("compiled_kernels", &compiled_kernels, "List of (head_dim, dtype_name) compiled into this build");
   m.def("interface_version", [] { return kInterfaceVersion; },
         "The version of these bindings' arguments (fa2_inductor._extension refuses a build of another)");

@@ -4,9 +4,11 @@ The decisions and the op's CUDA paths live in the compiled extension (csrc/api.c
 CUDA implementations of the forward and backward ops with the dispatcher when it loads. This module is their
 Python face: ``kernel_unsupported_reason`` and ``backward_kernel_unsupported_reason`` ask the extension's
 support rules about tensor metadata (so the graph pass and ``explain`` can ask about fake tensors),
-``forward`` runs the CUDA path into preallocated outputs, and ``reference_fallback`` / ``backward_fallback``
-are what a CUDA call the kernels do not run returns (the extension calls them back). Importing this module
-never initialises CUDA.
+``forward`` runs the CUDA path into preallocated outputs. Where the kernels do not run a forward call, the
+extension computes it with its C++ port of the reference and calls ``note_reference_fallback`` back, which
+counts the call and warns once per reason; where they do not run a backward call, it calls
+``backward_fallback`` back. ``reference_fallback`` is the forward's fallback of an install without the
+extension. Importing this module never initialises CUDA.
 """
 
 from __future__ import annotations
@@ -87,13 +89,17 @@ def forward(
                          int(empty_rows), float(softcap), sinks)
 
 
-def note_reference_fallback(reason: str) -> None:
-    """A CUDA call (forward or backward) that runs the reference is correct but slow: counted, announced once."""
+def note_reference_fallback(reason: str, stacklevel: int = 2) -> None:
+    """A CUDA call (forward or backward) that runs the reference is correct but slow: counted, announced once.
+
+    ``stacklevel`` is warnings.warn's, counted from here: 2 points at the caller, which is the op's caller when
+    the extension calls (C++ frames do not count); the Python fallbacks pass 3, their own caller."""
     from torch._dynamo.utils import counters
 
     key = f"reference_fallback:{reason}"
     if counters["fa2_inductor"][key] == 0:
-        warnings.warn(f"fa2_inductor: CUDA call runs the (slow) reference implementation: {reason}", stacklevel=3)
+        warnings.warn(f"fa2_inductor: CUDA call runs the (slow) reference implementation: {reason}",
+                      stacklevel=stacklevel)
     counters["fa2_inductor"][key] += 1
 
 
@@ -112,7 +118,7 @@ def reference_fallback(
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) of a CUDA call the kernel does not run: the reference's, correct but slow, so the call is
     counted under ``reference_fallback:<reason>`` and each reason is announced once."""
-    note_reference_fallback(reason)
+    note_reference_fallback(reason, stacklevel=3)
     return reference.attention_reference(q, k, v, attn_mask, scale, is_causal, window_left, empty_rows, softcap, sinks)
 
 
@@ -149,7 +155,7 @@ def backward_fallback(
     counters["fa2_inductor"][f"backward_fallback:{reason}"] += 1
     if compute_mask_grad or flash_backward_unsupported_reason(q, k, v, attn_mask, is_causal, window_left, softcap,
                                                               sinks) is not None:
-        note_reference_fallback(f"backward: {reason}")
+        note_reference_fallback(f"backward: {reason}", stacklevel=3)
         return reference.backward_outputs(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal,
                                           compute_mask_grad, window_left, softcap, sinks)
     dq, dk, dv = backward(grad_out, q, k, v, out, lse, scale, is_causal, window_left)
@@ -250,6 +256,5 @@ def backward(grad_out, q, k, v, out, lse, scale, is_causal, window_left=-1):
 
 
 if _extension.C is not None:
-    # The extension's CUDA implementations call these where its kernels do not run a call (and for scale 0).
-    _extension.C.set_reference_hooks(reference_fallback, reference.attention_forward, backward_fallback,
-                                     sinks_gradient)
+    # The extension's CUDA implementations call these where its kernels do not run a call.
+    _extension.C.set_reference_hooks(note_reference_fallback, backward_fallback, sinks_gradient)

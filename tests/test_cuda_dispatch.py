@@ -131,8 +131,8 @@ assert _extension.C is not None and _extension.status == "loaded"
 # Both ops' CUDA kernels are the extension's.
 for op_name in ("flash_attention_fwd", "flash_attention_bwd"):
     assert "custom_ops.py" not in cuda_kernel_source(op_name), cuda_kernel_source(op_name)
-# The extension can call the reference and the backward's fallback back.
-hooks = (_cuda.reference_fallback, reference.attention_forward, _cuda.backward_fallback, _cuda.sinks_gradient)
+# The extension can announce its reference fallbacks and call the backward's fallback back.
+hooks = (_cuda.note_reference_fallback, _cuda.backward_fallback, _cuda.sinks_gradient)
 assert calls[-1] == ("set_reference_hooks", hooks), calls[-1]
 
 # The support rules are asked with metadata: (sizes, strides, dtype, device, address or None).

@@ -1,0 +1,192 @@
+// The op's forward from ATen ops alone: what a CUDA call the kernels do not run computes where no Python is
+// there (a deployed model). A port of fa2_inductor/reference.py's attention_forward, function by function and
+// op by op, so that both give the same numbers: reference.py stays the definition, and
+// tests/test_reference_aten.py compares the two on CPU. Runs on whatever device the tensors are on.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace fa2 {
+
+// The op's empty_rows values (reference.EmptyRows); what each means is in the op's docs.
+enum class EmptyRows : int64_t { kZero = 0, kMeanV = 1, kAllKeys = 2 };
+constexpr int64_t kEmptyRowsCount = 3;
+
+// Uninitialised (out, lse) with the layout every implementation returns (reference.empty_outputs): out
+// [B, Hq, Sq, Dv] with the strides of a [B, Sq, Hq, Dv] buffer, lse contiguous float32 [B, Hq, Sq].
+inline std::tuple<at::Tensor, at::Tensor> empty_outputs(const at::Tensor& q, const at::Tensor& v) {
+  const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), dv = v.size(3);
+  at::Tensor out = at::empty({b, sq, hq, dv}, q.options()).transpose(1, 2);
+  at::Tensor lse = at::empty({b, hq, sq}, q.options().dtype(at::kFloat));
+  return {out, lse};
+}
+
+// Defined at the end; ALL_KEYS reruns it over all keys.
+inline void reference_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const std::optional<at::Tensor>& mask, double scale, bool is_causal, at::Tensor& out,
+                              at::Tensor& lse, int64_t window_left, int64_t empty_rows, double softcap,
+                              const std::optional<at::Tensor>& sinks);
+
+namespace reference_detail {
+
+// The bound on the scores one query block holds (reference._MAX_BLOCK_SCORES, 256 MiB of float32). The same
+// blocks give the same matmul shapes, and a matmul's rounding may depend on its shape.
+constexpr int64_t kMaxBlockScores = int64_t(1) << 26;
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+// The query rows [start, stop) of one block (reference.py's slice).
+struct Rows {
+  int64_t start, stop;
+};
+
+inline at::ScalarType accumulation_dtype(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Rows per block (reference._query_blocks); Sk = 0 counts as one key, leaving nothing to divide by 0.
+inline int64_t query_block_rows(int64_t batch, int64_t heads, int64_t seq_q, int64_t seq_k) {
+  const int64_t per_row = std::max<int64_t>(1, batch * heads * std::max<int64_t>(seq_k, 1));
+  return std::max<int64_t>(1, std::min(seq_q, kMaxBlockScores / per_row));
+}
+
+// [B, Hq, S, X] -> [B, Hkv, G, S, X]: GQA as a view, so K and V are never repeated.
+inline at::Tensor group_view(const at::Tensor& x, int64_t kv_heads) {
+  return x.unflatten(1, {kv_heads, x.size(1) / kv_heads});
+}
+
+// 0 where visible, -inf elsewhere: how a bool mask and the causal positions join the scores.
+inline at::Tensor visibility_bias(const at::Tensor& visible, at::ScalarType dtype) {
+  return at::where(visible, at::zeros({}, visible.options().dtype(dtype)), kNegInf);
+}
+
+// The mask's bias for one block, [B|1, Hkv|1, G|1, rows|1, Sk]: a mask of fewer dims broadcasts from the
+// right, like any 2-D/3-D/4-D mask against [B, Hq, Sq, Sk]; its heads split into (Hkv, G) like the queries'.
+inline std::optional<at::Tensor> mask_block(const std::optional<at::Tensor>& attn_mask, Rows rows, int64_t heads,
+                                            int64_t kv_heads, at::ScalarType dtype) {
+  if (!attn_mask.has_value()) return std::nullopt;
+  at::Tensor mask = *attn_mask;
+  while (mask.dim() < 4) mask = mask.unsqueeze(0);
+  if (mask.size(2) != 1) mask = mask.slice(2, rows.start, rows.stop);
+  mask = mask.size(1) == 1 ? mask.unsqueeze(2) : mask.unflatten(1, {kv_heads, heads / kv_heads});
+  if (mask.scalar_type() == at::kBool) return visibility_bias(mask, dtype);
+  return mask.to(dtype);
+}
+
+// Top-left causal: query i sees keys j <= i and, with window_left >= 0, none before i - window_left.
+inline at::Tensor causal_bias(Rows rows, int64_t seq_k, int64_t window_left, const at::Device& device,
+                              at::ScalarType dtype) {
+  const auto positions = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::Tensor q_pos = at::arange(rows.start, rows.stop, positions).unsqueeze(1);
+  const at::Tensor k_pos = at::arange(seq_k, positions).unsqueeze(0);
+  at::Tensor visible = k_pos <= q_pos;
+  if (window_left >= 0) visible &= k_pos >= q_pos - window_left;
+  return visibility_bias(visible, dtype);
+}
+
+// One block's scaled scores, soft-capped (before any mask, as the kernels do): [B, Hkv, G, rows, Sk].
+inline at::Tensor capped_scores(const at::Tensor& q, const at::Tensor& k, double scale, double softcap, Rows rows,
+                                int64_t kv_heads, at::ScalarType acc) {
+  at::Tensor scores = at::matmul(group_view(q.slice(2, rows.start, rows.stop), kv_heads).to(acc),
+                                 k.to(acc).unsqueeze(2).transpose(-1, -2));
+  scores = scores * scale;
+  return softcap != 0 ? softcap * at::tanh(scores / softcap) : scores;
+}
+
+// One block's scores with the mask's bias and then the causal one added (the order reference.py adds them).
+inline at::Tensor masked(at::Tensor scores, const std::optional<at::Tensor>& attn_mask, bool is_causal,
+                         int64_t window_left, Rows rows, int64_t heads, int64_t seq_k, int64_t kv_heads,
+                         at::ScalarType acc) {
+  if (const auto bias = mask_block(attn_mask, rows, heads, kv_heads, acc)) scores = scores + *bias;
+  if (is_causal) scores = scores + causal_bias(rows, seq_k, window_left, scores.device(), acc);
+  return scores;
+}
+
+// [Hq] sink logits as [1, Hkv, G, 1, 1], to broadcast against a block's row statistics.
+inline std::optional<at::Tensor> sink_logits(const std::optional<at::Tensor>& sinks, int64_t kv_heads,
+                                             at::ScalarType acc) {
+  if (!sinks.has_value()) return std::nullopt;
+  return sinks->to(acc).reshape({1, kv_heads, -1, 1, 1});
+}
+
+struct ShiftedExp {
+  at::Tensor probs, finite_max, row_sum;
+};
+
+// exp(scores - row max), the max, and the row sum with the sink's share. A row with no finite score (all
+// masked, or no key) shifts by 0, so its exps are 0 rather than NaN (-inf - -inf).
+inline ShiftedExp shifted_exp(const at::Tensor& scores, const std::optional<at::Tensor>& sink) {
+  at::Tensor row_max;
+  if (scores.size(-1) == 0) {  // amax has nothing to reduce
+    std::vector<int64_t> shape = scores.sizes().vec();
+    shape.back() = 1;
+    row_max = scores.new_full(shape, kNegInf);
+  } else {
+    row_max = scores.amax({-1}, /*keepdim=*/true);
+  }
+  if (sink.has_value()) row_max = at::maximum(row_max, *sink);
+  const at::Tensor finite_max = at::where(at::isfinite(row_max), row_max, at::zeros_like(row_max));
+  const at::Tensor probs = at::exp(scores - finite_max);
+  at::Tensor row_sum = probs.sum({-1}, /*keepdim=*/true);
+  if (sink.has_value()) row_sum = row_sum + at::exp(*sink - finite_max);
+  return {probs, finite_max, row_sum};
+}
+
+// Rows with lse = -inf get the mean of V over all keys (MEAN_V) or attention over all keys, soft-capped like
+// the call but without sinks (ALL_KEYS).
+inline void fill_empty_rows(at::Tensor& out, const at::Tensor& lse, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, double scale, int64_t empty_rows, double softcap) {
+  const at::Tensor empty = at::isneginf(lse).unsqueeze(-1);
+  at::Tensor filled;
+  if (empty_rows == int64_t(EmptyRows::kMeanV)) {
+    const int64_t group = out.size(1) / v.size(1);
+    filled = v.to(accumulation_dtype(v.scalar_type())).mean({2}).repeat_interleave(group, 1).unsqueeze(2);
+  } else {
+    filled = std::get<0>(empty_outputs(q, v));
+    at::Tensor unused_lse = at::empty_like(lse);
+    reference_forward(q, k, v, std::nullopt, scale, false, filled, unused_lse, -1, int64_t(EmptyRows::kZero), softcap,
+                      std::nullopt);
+  }
+  out.copy_(at::where(empty, filled.to(out.scalar_type()), out));
+}
+
+}  // namespace reference_detail
+
+// softmax(q kᵀ · scale + mask) v into out ([B, Hq, Sq, Dv], any strides) and its natural-log LSE into lse
+// (float32 [B, Hq, Sq]); the arguments as the op takes them, already checked. Computed in float32 (float64
+// stays float64), one block of query rows at a time.
+inline void reference_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const std::optional<at::Tensor>& mask, double scale, bool is_causal, at::Tensor& out,
+                              at::Tensor& lse, int64_t window_left, int64_t empty_rows, double softcap,
+                              const std::optional<at::Tensor>& sinks) {
+  namespace detail = reference_detail;
+  const int64_t batch = q.size(0), heads = q.size(1), seq_q = q.size(2);
+  const int64_t kv_heads = k.size(1), seq_k = k.size(2);
+  const at::ScalarType acc = detail::accumulation_dtype(q.scalar_type());
+  const at::Tensor v_acc = v.to(acc).unsqueeze(2);
+  const std::optional<at::Tensor> sink = detail::sink_logits(sinks, kv_heads, acc);
+  const int64_t block = detail::query_block_rows(batch, heads, seq_q, seq_k);
+  for (int64_t start = 0; start < seq_q; start += block) {
+    const detail::Rows rows{start, std::min(start + block, seq_q)};
+    at::Tensor scores = detail::capped_scores(q, k, scale, softcap, rows, kv_heads, acc);
+    scores = detail::masked(scores, mask, is_causal, window_left, rows, heads, seq_k, kv_heads, acc);
+    const detail::ShiftedExp e = detail::shifted_exp(scores, sink);
+    // A row whose sum is 0 (nothing visible, no sink) divides by 1: its out is 0, its lse -inf.
+    const at::Tensor block_out =
+        at::matmul(e.probs, v_acc) / at::where(e.row_sum > 0, e.row_sum, at::ones_like(e.row_sum));
+    const at::Tensor block_lse = (e.finite_max + at::log(e.row_sum)).squeeze(-1);
+    out.slice(2, rows.start, rows.stop).copy_(block_out.flatten(1, 2).to(out.scalar_type()));
+    lse.slice(2, rows.start, rows.stop).copy_(block_lse.flatten(1, 2).to(lse.scalar_type()));
+  }
+  if (empty_rows != int64_t(EmptyRows::kZero) && seq_k > 0) {
+    detail::fill_empty_rows(out, lse, q, k, v, scale, empty_rows, softcap);
+  }
+}
+
+}  // namespace fa2
