@@ -36,7 +36,9 @@ def _cuda_build_blocker() -> str | None:
     try:
         import torch
     except ImportError:
-        return "torch is not importable in the build environment (use --no-build-isolation)"
+        # pip builds in an isolated environment without it, or a `pip` of another Python runs the build
+        return (f"torch is not importable by {sys.executable}, the Python running this build: install with "
+                "that Python's pip and --no-build-isolation (python -m pip install --no-build-isolation ...)")
     if torch.version.cuda is None:
         return f"torch {torch.__version__} has no CUDA"
     from torch.utils.cpp_extension import CUDA_HOME

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-REBUILD_COMMAND = 'FA2_INDUCTOR_BUILD_CUDA=1 pip install --no-build-isolation -e .'
+REBUILD_COMMAND = 'FA2_INDUCTOR_BUILD_CUDA=1 python -m pip install --no-build-isolation -e .'
 NOT_BUILT = "fa2_inductor._C was not built (pure-Python install)"
 # What the package (and its GPU tests) call on the module; a build from older sources lacks some of them.
 REQUIRED_FUNCTIONS = (

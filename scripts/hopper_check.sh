@@ -8,7 +8,7 @@
 #
 # Stages (default: all but demo):
 #   env         GPU, driver, Python, torch, nvcc, setuptools, CUTLASS, test dependencies -> env.txt
-#   build       the README's build, FA2_INDUCTOR_BUILD_CUDA=1 pip install -v --no-build-isolation -e .
+#   build       the README's build, FA2_INDUCTOR_BUILD_CUDA=1 python -m pip install -v --no-build-isolation -e .
 #               -> build.log (with the -Xptxas=-v report: pip builds in a fresh temporary folder, so every
 #               kernel is compiled and reported), ptxas.txt (registers, spills, C7510/C7512), info.txt
 #   gpu-tests   python -m pytest tests/gpu, each test cut after TEST_TIMEOUT_S (a hang fails that test,

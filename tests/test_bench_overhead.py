@@ -18,11 +18,14 @@ def short_bursts(monkeypatch):
     monkeypatch.setattr(overhead, "CALLS_PER_BURST", 3)
 
 
-def test_per_call_time_is_a_median_over_bursts_of_back_to_back_calls(short_bursts):
+def test_per_call_times_are_medians_over_bursts_timed_in_turns(short_bursts):
     made = []
-    us = overhead.per_call_us(lambda: made.append(1), torch.device("cpu"), warmup=2, reps=5)
-    assert len(made) == (2 + 5) * 3
-    assert us > 0
+    fns = {name: (lambda name=name: made.append(name)) for name in ("a", "b", "c")}
+    us = overhead.per_call_us_in_turns(fns, torch.device("cpu"), warmup=2, reps=3)
+    assert set(us) == {"a", "b", "c"} and min(us.values()) > 0
+    bursts = [made[i] for i in range(0, len(made), 3)]  # each burst is 3 calls of one function
+    assert all(made[i:i + 3] == [bursts[i // 3]] * 3 for i in range(0, len(made), 3))
+    assert bursts == ["a", "a", "b", "b", "c", "c"] + ["a", "b", "c"] + ["c", "b", "a"] + ["a", "b", "c"]
 
 
 def test_overhead_run_prints_every_row_in_both_modes_and_writes_json(short_bursts, tmp_path):
