@@ -12,12 +12,11 @@
 //   input checks     the op's argument rules (ValueError), the same messages as ops.check_inputs
 //   support          "does the kernel run this call, and if not, why": the one place that decides, on
 //                    tensor metadata, so the graph pass (fake tensors) and explain ask it too
-//   reference        what the CUDA path runs where the kernel does not: the reference's forward in ATen
-//                    (fa2/reference_aten.hpp), and the Python hooks that count it and run the backward's
-//                    fallbacks
+//   reference        what the CUDA path runs where the kernel does not: the reference in ATen
+//                    (fa2/reference_aten.hpp), and the Python hooks that count such calls
 //   the op           its CUDA implementation: checks, support, outputs, special cases, empty-row policies
-//   backward         bwd: checked arguments -> fa2::BwdParams -> launches; the backward op's support rule and
-//                    CUDA implementation, with Python's fallback
+//   backward         bwd: checked arguments -> fa2::BwdParams -> launches; the backward op's support rules
+//                    (ours, PyTorch's flash backward) and CUDA implementation with its fallbacks
 //   autograd (CUDA)  flash_attention_fwd's autograd formula for CUDA tensors, as ops.py's
 //   registration     TORCH_LIBRARY_IMPL and the Python bindings
 #include <torch/extension.h>
@@ -656,39 +655,27 @@ Reason kernel_unsupported_reason(const TensorMetaArgs& q, const TensorMetaArgs& 
 
 // -------------------------------------------------------------------------------------------- reference
 
-// Where the kernels do not run a forward call, the CUDA implementation computes it with
-// fa2::reference_forward, the reference's forward in ATen ops on the call's own tensors: a deployment without
-// Python (a model exported and run from C++) still runs every forward call. fa2_inductor/reference.py stays
-// the definition of the op's numerics; the C++ port follows it op by op, and tests/test_reference_aten.py
-// holds the two to the same bits. Where Python is there, it counts these calls and warns once per reason
-// (torch._dynamo.utils.counters, warnings), and it runs the backward's fallbacks (PyTorch's flash backward,
-// the reference's backward). fa2_inductor._cuda sets the hooks when it imports this module.
+// Where the kernels do not run a call, the CUDA implementations compute it with fa2::reference_forward and
+// fa2::reference_backward, the reference in ATen ops on the call's own tensors (the backward first tries
+// PyTorch's flash backward): a deployment without Python (a model exported and run from C++) still runs every
+// call. fa2_inductor/reference.py stays the definition of the op's numerics; the C++ port follows it op by op,
+// and tests/test_reference_aten.py holds the two to the same bits. Where Python is there, it only counts these
+// calls and warns once per reason (torch._dynamo.utils.counters, warnings): fa2_inductor._cuda sets the hooks
+// when it imports this module.
 struct ReferenceHooks {
   // (reason) -> None: counts a call that runs the reference under reference_fallback:<reason>, warns once
   // per reason.
   pybind11::object note_fallback;
-  // (reason, grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, window_left, softcap,
-  // sinks) -> the backward op's five outputs where our backward kernel does not run the call: counted under
-  // backward_fallback:<reason>, PyTorch's flash backward where it can, else the reference.
-  pybind11::object backward_fallback;
-  // (grad_out, out, lse, sinks) -> d loss / d sinks (the kernel's LSE holds the sinks).
-  pybind11::object sinks_gradient;
+  // (reason) -> None: counts a backward call our backward kernel does not run under backward_fallback:<reason>.
+  pybind11::object note_backward_fallback;
 };
 // Never destroyed: Python objects must not be released after the interpreter has gone.
 ReferenceHooks* reference_hooks = nullptr;
 
-void set_reference_hooks(pybind11::object note_fallback, pybind11::object backward_fallback,
-                         pybind11::object sinks_gradient) {
+void set_reference_hooks(pybind11::object note_fallback, pybind11::object note_backward_fallback) {
   if (reference_hooks == nullptr) reference_hooks = new ReferenceHooks();
   reference_hooks->note_fallback = std::move(note_fallback);
-  reference_hooks->backward_fallback = std::move(backward_fallback);
-  reference_hooks->sinks_gradient = std::move(sinks_gradient);
-}
-
-const ReferenceHooks& hooks_for(const std::string& why) {
-  FA2_CHECK(reference_hooks != nullptr, "fa2_inductor: this call needs the Python reference implementation (", why,
-              "); import fa2_inductor in this process");
-  return *reference_hooks;
+  reference_hooks->note_backward_fallback = std::move(note_backward_fallback);
 }
 
 // The reference is correct but slow, so its use is announced: through Python's hook where it is set, else
@@ -700,6 +687,14 @@ void note_reference_fallback(const std::string& reason) {
   }
   pybind11::gil_scoped_acquire gil;
   reference_hooks->note_fallback(reason);
+}
+
+// A backward call our kernel does not run is counted where Python is there. Without Python only the calls that
+// run the reference are announced (note_reference_fallback): PyTorch's flash backward is not slow.
+void note_backward_fallback(const std::string& reason) {
+  if (reference_hooks == nullptr) return;
+  pybind11::gil_scoped_acquire gil;
+  reference_hooks->note_backward_fallback(reason);
 }
 
 std::tuple<at::Tensor, at::Tensor> reference_fallback(const std::string& reason, const at::Tensor& q,
@@ -786,7 +781,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_cuda(const at::Tensor& q,
 
 // Raised whenever a binding's arguments change, so that a build from older sources is refused at import
 // (fa2_inductor/_extension.py INTERFACE_VERSION) instead of failing at its first call.
-constexpr int64_t kInterfaceVersion = 7;
+constexpr int64_t kInterfaceVersion = 8;
 
 std::vector<std::tuple<int64_t, std::string>> compiled_kernels() {
   std::vector<std::tuple<int64_t, std::string>> result;
@@ -966,7 +961,7 @@ namespace {
 
 // None when our backward kernel runs the call, else a short reason: what the forward kernels cover (masks,
 // causal positions and windows, alone or together; soft-capping), less soft-capping with an additive mask.
-// Sinks need nothing of the kernel: the LSE holds them and the sinks_gradient hook gives theirs. The one
+// Sinks need nothing of the kernel: the LSE holds them and fa2::sinks_gradient gives theirs. The one
 // place that decides it: the op's CUDA implementation below, and through fa2_inductor._cuda the graph pass.
 Reason backward_unsupported_reason(const TensorMeta& grad_out, const TensorMeta& q, const TensorMeta& k,
                                    const TensorMeta& v, const TensorMeta& out, const TensorMeta* mask, bool is_causal,
@@ -1016,24 +1011,98 @@ Reason backward_kernel_unsupported_reason(const TensorMetaArgs& grad_out, const 
                                      softcap, has_sinks, deterministic);
 }
 
-// dq, dk, dv, dmask (empty unless compute_mask_grad), dsinks (empty without sinks).
-using BwdOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using fa2::BwdOutputs;
 
+// PyTorch's flash-attention backward, aten::_flash_attention_backward, or nullopt in a torch without it. Called
+// boxed, by name and along its schema's own argument list: the schema differs between torch releases, so a
+// typed call compiled against one would not fit another.
+const std::optional<c10::OperatorHandle>& flash_backward_op() {
+  static const std::optional<c10::OperatorHandle> op =
+      c10::Dispatcher::singleton().findSchema({"aten::_flash_attention_backward", ""});
+  return op;
+}
+
+bool flash_backward_takes_window() {
+  static const bool takes = flash_backward_op().has_value() &&
+                            flash_backward_op()->schema().argumentIndexWithName("window_size_left").has_value();
+  return takes;
+}
+
+// Whether PyTorch's flash backward (flash_backward) runs a call our backward kernel does not, with our LSE:
+// the rule of fa2_inductor._cuda.flash_backward_unsupported_reason, which the graph pass and installs without
+// this module ask.
+bool flash_backward_runs(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& mask,
+                         bool is_causal, int64_t window_left, double softcap) {
+  if (mask.has_value() || softcap != 0) return false;  // it has neither
+  if (window_left != -1 && !flash_backward_takes_window()) return false;
+  if (!q.is_cuda() || (q.scalar_type() != at::kBFloat16 && q.scalar_type() != at::kHalf)) return false;
+  if (!flash_backward_op().has_value()) return false;
+  if (device_attribute<cudaDevAttrComputeCapabilityMajor>(q.get_device()) < 8) return false;
+  const int64_t d = q.size(3);
+  if (d > 256 || d % 8 != 0) return false;
+  if (q.size(2) == 0 || k.size(2) == 0) return false;
+  // It aligns a causal mask bottom-right when Sq != Sk; ours is top-left.
+  return !is_causal || q.size(2) == k.size(2);
+}
+
+// (dq, dk, dv) from PyTorch's flash backward fed with our LSE, for calls flash_backward_runs accepts: the
+// arguments fa2_inductor._cuda.backward passes (tensors as [B, S, H, D], GQA handled inside; no dropout, so
+// no rng state), a causal window as its window_size_left with window_size_right = 0 (the diagonal).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& grad_out, const at::Tensor& q,
+                                                              const at::Tensor& k, const at::Tensor& v,
+                                                              const at::Tensor& out, const at::Tensor& lse,
+                                                              double scale, bool is_causal, int64_t window_left) {
+  const c10::OperatorHandle& op = *flash_backward_op();
+  const at::Tensor no_rng = at::empty({}, at::TensorOptions().dtype(at::kLong));
+  // grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k (none: not a varlen call), max_q, max_k,
+  // dropout_p, is_causal and the two rng tensors; the keyword arguments by name, at their schema positions.
+  const std::vector<c10::IValue> positional{
+      grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2),
+      lse.contiguous(), at::Tensor(), at::Tensor(), q.size(2), k.size(2), 0.0, is_causal, no_rng, no_rng};
+  size_t next_positional = 0;
+  torch::jit::Stack stack;
+  for (const c10::Argument& argument : op.schema().arguments()) {
+    if (!argument.kwarg_only()) {
+      FA2_CHECK(next_positional < positional.size(), "fa2_inductor: aten::_flash_attention_backward takes more than ",
+                positional.size(), " positional arguments");
+      stack.push_back(positional[next_positional++]);
+    } else if (argument.name() == "scale") {
+      stack.emplace_back(scale);
+    } else if (argument.name() == "window_size_left" && window_left != -1) {
+      stack.emplace_back(window_left);
+    } else if (argument.name() == "window_size_right" && window_left != -1) {
+      stack.emplace_back(int64_t(0));
+    } else {
+      FA2_CHECK(argument.default_value().has_value(), "fa2_inductor: aten::_flash_attention_backward's argument ",
+                argument.name(), " has no default");
+      stack.push_back(*argument.default_value());
+    }
+  }
+  FA2_CHECK(next_positional == positional.size(), "fa2_inductor: aten::_flash_attention_backward takes fewer than ",
+            positional.size(), " positional arguments");
+  op.callBoxed(stack);
+  return {stack[0].toTensor().transpose(1, 2), stack[1].toTensor().transpose(1, 2),
+          stack[2].toTensor().transpose(1, 2)};
+}
+
+// The backward op's outputs where our backward kernel does not run the call (counted under
+// backward_fallback:<reason>): PyTorch's flash backward where it can, with fa2::sinks_gradient for the sinks
+// (the LSE holds them), else the reference (announced as a reference fallback).
 BwdOutputs backward_fallback(const std::string& reason, const at::Tensor& grad_out, const at::Tensor& q,
                              const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                              const std::optional<at::Tensor>& mask, double scale, bool is_causal,
                              bool compute_mask_grad, int64_t window_left, double softcap,
                              const std::optional<at::Tensor>& sinks) {
-  pybind11::gil_scoped_acquire gil;
-  const pybind11::object result = hooks_for(reason).backward_fallback(
-      reason, grad_out, q, k, v, out, lse, mask, scale, is_causal, compute_mask_grad, window_left, softcap, sinks);
-  return result.cast<BwdOutputs>();
-}
-
-at::Tensor sinks_gradient(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
-                          const at::Tensor& sinks) {
-  pybind11::gil_scoped_acquire gil;
-  return hooks_for("the sinks' gradient").sinks_gradient(grad_out, out, lse, sinks).cast<at::Tensor>();
+  note_backward_fallback(reason);
+  if (compute_mask_grad || !flash_backward_runs(q, k, mask, is_causal, window_left, softcap)) {
+    note_reference_fallback("backward: " + reason);
+    return fa2::reference_backward(grad_out, q, k, v, out, lse, mask, scale, is_causal, compute_mask_grad,
+                                   window_left, softcap, sinks);
+  }
+  c10::cuda::CUDAGuard guard(q.device());
+  auto [dq, dk, dv] = flash_backward(grad_out, q, k, v, out, lse, scale, is_causal, window_left);
+  at::Tensor dsinks = sinks.has_value() ? fa2::sinks_gradient(grad_out, out, lse, *sinks) : q.new_empty({0});
+  return {dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty({0}), dsinks};
 }
 
 // The tensor if TMA can read it as it is, else a contiguous copy (autograd may hand over any layout, e.g. the
@@ -1042,14 +1111,15 @@ at::Tensor tma_readable(const at::Tensor& t) {
   return layout_reason("t", TensorMeta::of(t)).has_value() ? t.contiguous() : t;
 }
 
-// fa2_inductor::flash_attention_bwd on CUDA: our backward kernel where it runs the call, else the Python
-// fallback (PyTorch's flash backward or the reference, counted). Deterministic (bit-identical run to run)
-// under torch.use_deterministic_algorithms(True).
+// fa2_inductor::flash_attention_bwd on CUDA: our backward kernel where it runs the call, else backward_fallback
+// (PyTorch's flash backward or the reference, counted). Deterministic (bit-identical run to run) under
+// torch.use_deterministic_algorithms(True).
 BwdOutputs flash_attention_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                     const std::optional<at::Tensor>& mask, double scale, bool is_causal,
                                     bool compute_mask_grad, int64_t window_left, double softcap,
                                     const std::optional<at::Tensor>& sinks) {
+  FA2_CHECK(mask.has_value() || !compute_mask_grad, "flash_attention_bwd: compute_mask_grad needs an attn_mask");
   const bool deterministic = at::globalContext().deterministicAlgorithms();
   const std::optional<TensorMeta> mask_meta =
       mask.has_value() ? std::optional<TensorMeta>(TensorMeta::of(*mask)) : std::nullopt;
@@ -1061,7 +1131,6 @@ BwdOutputs flash_attention_bwd_cuda(const at::Tensor& grad_out, const at::Tensor
     return backward_fallback(*reason, grad_out, q, k, v, out, lse, mask, scale, is_causal, compute_mask_grad,
                              window_left, softcap, sinks);
   }
-  FA2_CHECK(mask.has_value() || !compute_mask_grad, "flash_attention_bwd: compute_mask_grad needs an attn_mask");
   c10::cuda::CUDAGuard guard(q.device());
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
@@ -1087,7 +1156,7 @@ BwdOutputs flash_attention_bwd_cuda(const at::Tensor& grad_out, const at::Tensor
   }
   at::Tensor dmask = dmask_sum.has_value() ? dmask_sum->reshape(mask->sizes()).to(mask->scalar_type())
                                            : q.new_empty({0});
-  at::Tensor dsinks = sinks.has_value() ? sinks_gradient(grad_out, out, lse, *sinks) : q.new_empty({0});
+  at::Tensor dsinks = sinks.has_value() ? fa2::sinks_gradient(grad_out, out, lse, *sinks) : q.new_empty({0});
   return {dq, dk, dv, dmask, dsinks};
 }
 
@@ -1240,10 +1309,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("attn_mask"), py::arg("is_causal"), py::arg("window_left"),
         py::arg("softcap") = 0.0, py::arg("has_sinks") = false);
   m.def("set_reference_hooks", &set_reference_hooks,
-        "The Python the CUDA implementations call: note_fallback(reason) where a forward runs the reference, "
-        "backward_fallback(reason, grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad, "
-        "window_left, softcap, sinks) -> (dq, dk, dv, dmask, dsinks) and sinks_gradient(grad_out, out, lse, sinks)",
-        py::arg("note_fallback"), py::arg("backward_fallback"), py::arg("sinks_gradient"));
+        "The Python the CUDA implementations notify: note_fallback(reason) where a call runs the reference (a "
+        "backward's reason as 'backward: <reason>'), note_backward_fallback(reason) where our backward kernel "
+        "does not run a backward call",
+        py::arg("note_fallback"), py::arg("note_backward_fallback"));
   m.def("compiled_kernels", &compiled_kernels, "List of (head_dim, dtype_name) compiled into this build");
   m.def("interface_version", [] { return kInterfaceVersion; },
         "The version of these bindings' arguments (fa2_inductor._extension refuses a build of another)");

@@ -4,11 +4,12 @@ The decisions and the op's CUDA paths live in the compiled extension (csrc/api.c
 CUDA implementations of the forward and backward ops with the dispatcher when it loads. This module is their
 Python face: ``kernel_unsupported_reason`` and ``backward_kernel_unsupported_reason`` ask the extension's
 support rules about tensor metadata (so the graph pass and ``explain`` can ask about fake tensors),
-``forward`` runs the CUDA path into preallocated outputs. Where the kernels do not run a forward call, the
-extension computes it with its C++ port of the reference and calls ``note_reference_fallback`` back, which
-counts the call and warns once per reason; where they do not run a backward call, it calls
-``backward_fallback`` back. ``reference_fallback`` is the forward's fallback of an install without the
-extension. Importing this module never initialises CUDA.
+``forward`` runs the CUDA path into preallocated outputs. Where the kernels do not run a call, the extension
+computes it in C++ (the backward with PyTorch's flash backward where it can, else both with its port of the
+reference) and only notifies Python: ``note_backward_fallback`` counts a backward call our backward kernel does
+not run, ``note_reference_fallback`` counts a call that runs the reference and warns once per reason.
+``reference_fallback`` and ``backward_fallback`` are the fallbacks of an install without the extension.
+Importing this module never initialises CUDA.
 """
 
 from __future__ import annotations
@@ -142,17 +143,23 @@ def backward_kernel_unsupported_reason(
     )
 
 
+def note_backward_fallback(reason: str) -> None:
+    """A CUDA backward call our backward kernel does not run (PyTorch's flash backward or the reference does):
+    counted under ``backward_fallback:<reason>``."""
+    from torch._dynamo.utils import counters
+
+    counters["fa2_inductor"][f"backward_fallback:{reason}"] += 1
+
+
 def backward_fallback(
     reason: str, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     attn_mask: Optional[Tensor], scale: float, is_causal: bool, compute_mask_grad: bool, window_left: int = -1,
     softcap: float = 0.0, sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The backward op's outputs for a CUDA call our backward kernel does not run (counted under
+    """The backward op's outputs for a CUDA call of an install without the extension (counted under
     ``backward_fallback:<reason>``): PyTorch's flash backward where it can, else the reference (counted and
-    announced as a reference fallback)."""
-    from torch._dynamo.utils import counters
-
-    counters["fa2_inductor"][f"backward_fallback:{reason}"] += 1
+    announced as a reference fallback). The extension's own is csrc/api.cpp's backward_fallback."""
+    note_backward_fallback(reason)
     if compute_mask_grad or flash_backward_unsupported_reason(q, k, v, attn_mask, is_causal, window_left, softcap,
                                                               sinks) is not None:
         note_reference_fallback(f"backward: {reason}", stacklevel=3)
@@ -165,7 +172,8 @@ def backward_fallback(
 
 def sinks_gradient(grad_out: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
     """d loss / d sinks for a forward whose LSE holds the sinks: a sink is one more key whose value is
-    zero, so its score gradient is p_sink · (0 - rowsum(dO · O)), summed over batch and rows."""
+    zero, so its score gradient is p_sink · (0 - rowsum(dO · O)), summed over batch and rows. The extension
+    runs its C++ port (fa2::sinks_gradient, held to the same bits by tests/test_reference_aten.py)."""
     delta = (grad_out.float() * out.float()).sum(-1)  # [B, Hq, Sq]
     p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
     p_sink = torch.where(torch.isneginf(lse), torch.zeros_like(p_sink), p_sink)  # no key and a -inf sink
@@ -192,7 +200,8 @@ def flash_backward_unsupported_reason(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, window_left: int = -1,
     softcap: float = 0.0, sinks: Optional[Tensor] = None,
 ) -> Optional[str]:
-    """None when ``backward`` can run this call through PyTorch's flash-attention backward."""
+    """None when ``backward`` can run this call through PyTorch's flash-attention backward. The extension's
+    backward asks the same rule in C++ (csrc/api.cpp's flash_backward_runs): change both together."""
     if attn_mask is not None:
         return "attn_mask"
     if softcap:
@@ -229,7 +238,8 @@ def backward(grad_out, q, k, v, out, lse, scale, is_causal, window_left=-1):
     """(dq, dk, dv) from PyTorch's flash-attention backward, using the LSE our kernel wrote.
 
     That kernel takes [B, S, H, D] tensors (GQA handled inside) and the LSE as [B, Hq, Sq] float32.
-    A causal window maps to its window_size_left (window_size_right = 0 is the diagonal).
+    A causal window maps to its window_size_left (window_size_right = 0 is the diagonal). The extension makes
+    the same call from C++ (csrc/api.cpp's flash_backward).
     """
     sq, sk = q.shape[2], k.shape[2]
     no_rng = torch.empty((), dtype=torch.int64)
@@ -256,5 +266,5 @@ def backward(grad_out, q, k, v, out, lse, scale, is_causal, window_left=-1):
 
 
 if _extension.C is not None:
-    # The extension's CUDA implementations call these where its kernels do not run a call.
-    _extension.C.set_reference_hooks(note_reference_fallback, backward_fallback, sinks_gradient)
+    # The extension's CUDA implementations notify these where its kernels do not run a call.
+    _extension.C.set_reference_hooks(note_reference_fallback, note_backward_fallback)

@@ -25,7 +25,7 @@ REQUIRED_FUNCTIONS = (
     "backward_kernel_unsupported_reason",
 )
 # The bindings' argument version this package calls (csrc/api.cpp kInterfaceVersion).
-INTERFACE_VERSION = 7
+INTERFACE_VERSION = 8
 
 
 def _load() -> tuple[Optional[ModuleType], str]:

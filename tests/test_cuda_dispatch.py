@@ -131,8 +131,8 @@ assert _extension.C is not None and _extension.status == "loaded"
 # Both ops' CUDA kernels are the extension's.
 for op_name in ("flash_attention_fwd", "flash_attention_bwd"):
     assert "custom_ops.py" not in cuda_kernel_source(op_name), cuda_kernel_source(op_name)
-# The extension can announce its reference fallbacks and call the backward's fallback back.
-hooks = (_cuda.note_reference_fallback, _cuda.backward_fallback, _cuda.sinks_gradient)
+# The extension notifies Python of its fallbacks: the reference's (counted, announced) and the backward's (counted).
+hooks = (_cuda.note_reference_fallback, _cuda.note_backward_fallback)
 assert calls[-1] == ("set_reference_hooks", hooks), calls[-1]
 
 # The support rules are asked with metadata: (sizes, strides, dtype, device, address or None).
@@ -261,8 +261,18 @@ def test_python_cuda_kernel_checks_inputs_then_falls_back_as_kernel_not_built(fr
     assert torch.equal(out, reference.attention_reference(q, k, v, mask, 0.3, True, -1, 2)[0])
 
 
+def test_note_backward_fallback_counts_without_warning(fresh_counters):
+    """The extension's notice of a backward call its kernel does not run: PyTorch's flash backward is not slow, so
+    only the reference's use is announced (through note_reference_fallback)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _cuda.note_backward_fallback("reason D")
+        _cuda.note_backward_fallback("reason D")
+    assert dict(fresh_counters) == {"backward_fallback:reason D": 2}
+
+
 def test_backward_fallback_counts_and_runs_the_reference_off_cuda(fresh_counters):
-    """The backward's Python fallback (which the extension calls back): counted under backward_fallback:<reason>;
+    """The backward's fallback of an install without the extension: counted under backward_fallback:<reason>;
     off CUDA, PyTorch's flash backward cannot run, so the reference gives the op's outputs (counted, announced)."""
     q, k, v, mask = _qkv()
     additive = torch.where(mask, 0.0, -3.0)

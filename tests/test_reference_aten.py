@@ -1,6 +1,7 @@
-"""The C++ forward of csrc/fa2/reference_aten.hpp against fa2_inductor/reference.py's attention_forward, of
-which it is a port: on CPU, over dtypes, shapes, GQA, masks, causal windows, soft-capping, sinks, empty-row
-policies, scales and strided inputs, the two must give the same bits.
+"""The C++ forward and backward of csrc/fa2/reference_aten.hpp against fa2_inductor/reference.py's
+attention_forward and backward_outputs (and _cuda.sinks_gradient), of which they are ports: on CPU, over dtypes,
+shapes, GQA, masks, causal windows, soft-capping, sinks, empty-row policies, scales, an lse over more keys (a ring
+step's) and strided inputs, the two must give the same bits.
 
 The header is compiled into a small extension first (half a minute to a few minutes), too long for every test
 run: the module runs only when asked, as a developer does after changing either side:
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fa2_inductor import reference
+from fa2_inductor import _cuda, reference
 from fa2_inductor.reference import EmptyRows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.skipif(
     reason=f"compiles csrc/fa2/reference_aten.hpp (minutes); run with {ENABLE_VARIABLE}=1",
 )
 
-# load_inline puts torch/extension.h first and generates the binding of `forward`.
+# load_inline puts torch/extension.h first and generates the bindings of FUNCTIONS.
 SOURCE = """
 #include "fa2/reference_aten.hpp"
 
@@ -37,7 +38,21 @@ void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
              double softcap, const std::optional<at::Tensor>& sinks) {
   fa2::reference_forward(q, k, v, mask, scale, is_causal, out, lse, window_left, empty_rows, softcap, sinks);
 }
+
+fa2::BwdOutputs backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& mask,
+                         double scale, bool is_causal, bool compute_mask_grad, int64_t window_left, double softcap,
+                         const std::optional<at::Tensor>& sinks) {
+  return fa2::reference_backward(grad_out, q, k, v, out, lse, mask, scale, is_causal, compute_mask_grad,
+                                 window_left, softcap, sinks);
+}
+
+at::Tensor sinks_gradient(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                          const at::Tensor& sinks) {
+  return fa2::sinks_gradient(grad_out, out, lse, sinks);
+}
 """
+FUNCTIONS = ["forward", "backward", "sinks_gradient"]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 DTYPE_IDS = ["f32", "bf16", "f16", "f64"]
@@ -55,7 +70,7 @@ def ext(tmp_path_factory):
     return load_inline(
         name="fa2_reference_aten_test",
         cpp_sources=[SOURCE],
-        functions=["forward"],
+        functions=FUNCTIONS,
         extra_include_paths=[str(ROOT / "csrc")],
         build_directory=str(tmp_path_factory.mktemp("reference_aten_build")),
     )
@@ -215,3 +230,133 @@ def test_several_query_blocks(ext):
     assert len(blocks) == 3, blocks
     q, k, v = _qkv(torch.float32, b=b, hq=hq, hkv=1, sq=sq, sk=sk, d=8)
     _check(ext, q, k, v, _mask("bool_keys", torch.float32, b, hq, sq, sk), softcap=5.0)
+
+
+# ===== the backward ================================================================================
+
+
+def _check_backward(ext, q, k, v, mask=None, scale=None, is_causal=False, window_left=-1, softcap=0.0, sinks=None,
+                    compute_mask_grad=False, forward_kv=None, grad_layout=None):
+    """Both backwards on the reference forward's out and lse (of forward_kv, longer K/V, where given: a ring
+    step's global lse); the five outputs must match bit for bit."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    fk, fv, fmask = forward_kv if forward_kv is not None else (k, v, mask)
+    out, lse = reference.attention_reference(q, fk, fv, fmask, scale, is_causal, window_left, 0, softcap, sinks)
+    grad_out = _random(torch.Generator().manual_seed(3), *out.shape, dtype=q.dtype)
+    if grad_layout is not None:
+        grad_out = _strided(grad_out, grad_layout)
+    args = (grad_out, q, k, v, out, lse, mask, scale, is_causal, compute_mask_grad, window_left, softcap, sinks)
+    want = reference.backward_outputs(*args)
+    got = ext.backward(*args)
+    for name, a, b in zip(("dq", "dk", "dv", "dmask", "dsinks"), got, want):
+        _assert_same_bits(a, b, name)
+    return got
+
+
+def _sinks(dtype, heads=4):
+    return _random(torch.Generator().manual_seed(2), heads, dtype=dtype)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa2", "mqa"])
+@pytest.mark.parametrize("seq_q, seq_k", [(1, 1), (1, 9), (5, 9), (17, 9), (9, 1), (5, 0)],
+                         ids=["1x1", "1x9", "5x9", "17x9", "9x1", "5x0"])
+@pytest.mark.parametrize("head_dim", [8, 24])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_backward_shapes(ext, dtype, head_dim, seq_q, seq_k, kv_heads):
+    q, k, v = _qkv(dtype, hq=4, hkv=kv_heads, sq=seq_q, sk=seq_k, d=head_dim)
+    _check_backward(ext, q, k, v)
+
+
+# (mask kind, compute_mask_grad): a gradient only for additive masks
+BACKWARD_MASKS = [("none", False)] + [(kind, False) for kind in MASKS[1:5]] + \
+    [(kind, grad) for kind in MASKS[5:] for grad in (False, True)]
+
+
+@pytest.mark.parametrize("causal", CAUSAL, ids=CAUSAL_IDS)
+@pytest.mark.parametrize("mask_kind, mask_grad", BACKWARD_MASKS,
+                         ids=[f"{kind}{'-grad' if grad else ''}" for kind, grad in BACKWARD_MASKS])
+@pytest.mark.parametrize("seq_q, seq_k", [(5, 9), (17, 9)], ids=["5x9", "17x9"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_backward_masks_causal(ext, dtype, seq_q, seq_k, mask_kind, mask_grad, causal):
+    q, k, v = _qkv(dtype, sq=seq_q, sk=seq_k)
+    mask = _mask(mask_kind, dtype, 2, 4, seq_q, seq_k)
+    dmask = _check_backward(ext, q, k, v, mask, is_causal=causal[0], window_left=causal[1],
+                            compute_mask_grad=mask_grad)[3]
+    assert dmask.shape == (mask.shape if mask_grad else (0,))
+
+
+@pytest.mark.parametrize("causal", [CAUSAL[0], CAUSAL[2]], ids=[CAUSAL_IDS[0], CAUSAL_IDS[2]])
+@pytest.mark.parametrize("mask_kind, mask_grad", [("none", False), ("bool_empty_rows", False),
+                                                  ("add_min_rows", False), ("add_heads", True)],
+                         ids=["none", "bool_empty_rows", "add_min_rows", "add_heads-grad"])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no_sinks", "sinks"])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_backward_softcap_sinks(ext, dtype, softcap, with_sinks, mask_kind, mask_grad, causal):
+    q, k, v = _qkv(dtype, sq=17, sk=9)
+    mask = _mask(mask_kind, dtype, 2, 4, 17, 9)
+    sinks = _sinks(dtype) if with_sinks else None
+    dsinks = _check_backward(ext, q, k, v, mask, is_causal=causal[0], window_left=causal[1], softcap=softcap,
+                             sinks=sinks, compute_mask_grad=mask_grad)[4]
+    assert dsinks.shape == ((4,) if with_sinks else (0,))
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool_keys"])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no_sinks", "sinks"])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("causal", CAUSAL, ids=CAUSAL_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_backward_lse_over_more_keys(ext, dtype, causal, softcap, with_sinks, mask_kind):
+    """A ring step's call: the lse (and out) of all 21 keys, the gradients of the first 9."""
+    q, k_all, v_all = _qkv(dtype, sq=17, sk=21)
+    mask_all = _mask(mask_kind, dtype, 2, 4, 17, 21)
+    mask = None if mask_all is None else mask_all[:9]
+    k, v = k_all[:, :, :9], v_all[:, :, :9]
+    _check_backward(ext, q, k, v, mask, is_causal=causal[0], window_left=causal[1], softcap=softcap,
+                    sinks=_sinks(dtype) if with_sinks else None, forward_kv=(k_all, v_all, mask_all))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.7, 2.5], ids=["zero", "negative", "large"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_backward_scales(ext, dtype, scale):
+    q, k, v = _qkv(dtype)
+    mask = _mask("add_heads", dtype, 2, 4, 5, 9)
+    _check_backward(ext, q, k, v, mask, scale=scale, is_causal=True, softcap=5.0, sinks=_sinks(dtype),
+                    compute_mask_grad=True)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa2", "mqa"])
+@pytest.mark.parametrize("layout", ["bshd_padded", "d_major"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_backward_non_contiguous_inputs(ext, dtype, layout, kv_heads):
+    q, k, v = (_strided(x, layout) for x in _qkv(dtype, hkv=kv_heads, sq=17, sk=33))
+    mask = _mask("add_3d_f32", dtype, 2, 4, 17, 33).transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous() or mask.is_contiguous())
+    _check_backward(ext, q, k, v, mask, is_causal=True, window_left=2, softcap=5.0, sinks=_sinks(dtype),
+                    compute_mask_grad=True, grad_layout=layout)
+
+
+def test_backward_several_query_blocks(ext):
+    """A call whose scores exceed one block's bound: both split the rows alike and add dk, dv over the blocks."""
+    b, hq, sq, sk = 64, 16, 17, 8192
+    assert len(list(reference._query_blocks(b, hq, sq, sk))) == 3
+    q, k, v = _qkv(torch.float32, b=b, hq=hq, hkv=1, sq=sq, sk=sk, d=8)
+    _check_backward(ext, q, k, v, _mask("bool_keys", torch.float32, b, hq, sq, sk), softcap=5.0,
+                    sinks=_sinks(torch.float32, hq))
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool_empty_rows", "bool_no_key"])
+@pytest.mark.parametrize("seq_q, seq_k", [(1, 9), (17, 9), (5, 0)], ids=["1x9", "17x9", "5x0"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_sinks_gradient(ext, dtype, seq_q, seq_k, mask_kind):
+    """What runs beside a backward kernel that knows nothing of sinks; one sink is -inf, so that a row with no key
+    has lse -inf (and no gradient)."""
+    q, k, v = _qkv(dtype, sq=seq_q, sk=seq_k)
+    sinks = _sinks(dtype)
+    sinks[1] = -math.inf
+    out, lse = reference.attention_reference(q, k, v, _mask(mask_kind, dtype, 2, 4, seq_q, seq_k), None, False,
+                                             sinks=sinks)
+    grad_out = _random(torch.Generator().manual_seed(3), *out.shape, dtype=dtype)
+    got = ext.sinks_gradient(grad_out, out, lse, sinks)
+    _assert_same_bits(got, _cuda.sinks_gradient(grad_out, out, lse, sinks), "dsinks")
+    assert got.isfinite().all()

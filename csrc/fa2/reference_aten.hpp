@@ -1,7 +1,8 @@
-// The op's forward from ATen ops alone: what a CUDA call the kernels do not run computes where no Python is
-// there (a deployed model). A port of fa2_inductor/reference.py's attention_forward, function by function and
-// op by op, so that both give the same numbers: reference.py stays the definition, and
-// tests/test_reference_aten.py compares the two on CPU. Runs on whatever device the tensors are on.
+// The op's forward and backward from ATen ops alone: what a CUDA call the kernels do not run computes where no
+// Python is there (a deployed model). A port of fa2_inductor/reference.py's attention_forward and
+// attention_backward (with backward_outputs), function by function and op by op, so that both give the same
+// numbers: reference.py stays the definition, and tests/test_reference_aten.py compares the two on CPU. Runs on
+// whatever device the tensors are on.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -115,6 +116,11 @@ inline std::optional<at::Tensor> sink_logits(const std::optional<at::Tensor>& si
   return sinks->to(acc).reshape({1, kv_heads, -1, 1, 1});
 }
 
+// A row sum to divide by: 1 where the row has nothing (no visible key, no sink), so its values stay 0.
+inline at::Tensor divisor(const at::Tensor& row_sum) {
+  return at::where(row_sum > 0, row_sum, at::ones_like(row_sum));
+}
+
 struct ShiftedExp {
   at::Tensor probs, finite_max, row_sum;
 };
@@ -177,9 +183,8 @@ inline void reference_forward(const at::Tensor& q, const at::Tensor& k, const at
     at::Tensor scores = detail::capped_scores(q, k, scale, softcap, rows, kv_heads, acc);
     scores = detail::masked(scores, mask, is_causal, window_left, rows, heads, seq_k, kv_heads, acc);
     const detail::ShiftedExp e = detail::shifted_exp(scores, sink);
-    // A row whose sum is 0 (nothing visible, no sink) divides by 1: its out is 0, its lse -inf.
-    const at::Tensor block_out =
-        at::matmul(e.probs, v_acc) / at::where(e.row_sum > 0, e.row_sum, at::ones_like(e.row_sum));
+    // A row with nothing visible and no sink: out 0, lse -inf.
+    const at::Tensor block_out = at::matmul(e.probs, v_acc) / detail::divisor(e.row_sum);
     const at::Tensor block_lse = (e.finite_max + at::log(e.row_sum)).squeeze(-1);
     out.slice(2, rows.start, rows.stop).copy_(block_out.flatten(1, 2).to(out.scalar_type()));
     lse.slice(2, rows.start, rows.stop).copy_(block_lse.flatten(1, 2).to(lse.scalar_type()));
@@ -187,6 +192,120 @@ inline void reference_forward(const at::Tensor& q, const at::Tensor& k, const at
   if (empty_rows != int64_t(EmptyRows::kZero) && seq_k > 0) {
     detail::fill_empty_rows(out, lse, q, k, v, scale, empty_rows, softcap);
   }
+}
+
+namespace reference_detail {
+
+// Softmax probabilities of scores under the forward's float32 row_lse (reference._probabilities). Where row_lse
+// is these scores' own, rounded, the row is normalised here in full precision (float64 stays exact, and a row
+// filled with finfo.min everywhere, whose lse lost log(row sum), stays right); else (an lse over more keys, as
+// a ring step passes) P = exp(scores - lse). Rows with lse -inf get none.
+inline at::Tensor probabilities(const at::Tensor& scores, const at::Tensor& row_lse) {
+  const ShiftedExp local = shifted_exp(scores, std::nullopt);
+  const at::Tensor own = (local.finite_max + at::log(local.row_sum)).to(row_lse.scalar_type()) == row_lse;
+  const at::Tensor lse = row_lse.to(scores.scalar_type());
+  const at::Tensor finite = at::isfinite(lse);
+  const at::Tensor from_lse = at::exp(scores - at::where(finite, lse, at::zeros_like(lse)));
+  return at::where(own, local.probs / divisor(local.row_sum), at::where(finite, from_lse, at::zeros_like(from_lse)));
+}
+
+// A [B, Hq, Sq, Sk] gradient summed over the dims the mask was broadcast along (reference._reduce_to_shape):
+// the leading dims it lacks, then its size-1 dims, kept.
+inline at::Tensor reduce_to_shape(at::Tensor grad, c10::IntArrayRef shape) {
+  const int64_t extra = grad.dim() - int64_t(shape.size());
+  if (extra > 0) {
+    std::vector<int64_t> leading;
+    for (int64_t i = 0; i < extra; ++i) leading.push_back(i);
+    grad = grad.sum(leading);
+  }
+  std::vector<int64_t> broadcast;
+  for (int64_t i = 0; i < int64_t(shape.size()); ++i) {
+    if (shape[i] == 1 && grad.size(i) != 1) broadcast.push_back(i);
+  }
+  return broadcast.empty() ? grad : grad.sum(broadcast, /*keepdim=*/true);
+}
+
+}  // namespace reference_detail
+
+// The backward op's outputs: dq, dk, dv, dmask (empty unless asked for), dsinks (empty without sinks).
+using BwdOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The gradients of out (reference.attention_backward as reference.backward_outputs returns them: contiguous,
+// dmask and dsinks empty where not asked for), with P = exp(scores - lse): lse may cover more keys than these
+// (a ring step passes the global one); rows whose lse is -inf get no gradient. The arguments as the backward op
+// takes them, already checked (compute_mask_grad only with a mask).
+inline BwdOutputs reference_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                     const std::optional<at::Tensor>& mask, double scale, bool is_causal,
+                                     bool compute_mask_grad, int64_t window_left, double softcap,
+                                     const std::optional<at::Tensor>& sinks) {
+  namespace detail = reference_detail;
+  const int64_t batch = q.size(0), heads = q.size(1), seq_q = q.size(2);
+  const int64_t kv_heads = k.size(1), seq_k = k.size(2), group = heads / kv_heads;
+  const at::ScalarType acc = detail::accumulation_dtype(q.scalar_type());
+  const at::TensorOptions acc_options = q.options().dtype(acc);
+  const at::Tensor k_acc = k.to(acc).unsqueeze(2);
+  const at::Tensor v_acc = v.to(acc).unsqueeze(2);
+  // dk and dv per query head, [B, Hkv, G, Sk, D], summed over the group at the end.
+  at::Tensor dq = at::zeros(q.sizes(), acc_options);
+  at::Tensor dk = at::zeros({batch, kv_heads, group, seq_k, k.size(3)}, acc_options);
+  at::Tensor dv = at::zeros({batch, kv_heads, group, seq_k, v.size(3)}, acc_options);
+  std::optional<at::Tensor> dmask;
+  if (compute_mask_grad) dmask = at::zeros({batch, heads, seq_q, seq_k}, acc_options);
+  const std::optional<at::Tensor> sink = detail::sink_logits(sinks, kv_heads, acc);
+  std::optional<at::Tensor> dsink;
+  if (sinks.has_value()) dsink = at::zeros({1, kv_heads, group, 1, 1}, acc_options);
+  // rowsum(dO * O): the softmax Jacobian's correction term.
+  const at::Tensor delta = (grad_out.to(acc) * out.to(acc)).sum(-1);
+  const int64_t block = detail::query_block_rows(batch, heads, seq_q, seq_k);
+  for (int64_t start = 0; start < seq_q; start += block) {
+    const detail::Rows rows{start, std::min(start + block, seq_q)};
+    const at::Tensor capped = detail::capped_scores(q, k, scale, softcap, rows, kv_heads, acc);
+    const at::Tensor scores = detail::masked(capped, mask, is_causal, window_left, rows, heads, seq_k, kv_heads, acc);
+    const at::Tensor row_lse = detail::group_view(lse.slice(2, rows.start, rows.stop).unsqueeze(-1), kv_heads);
+    at::Tensor probs, p_sink;
+    if (!sink.has_value()) {
+      probs = detail::probabilities(scores, row_lse);
+    } else {  // the sink as one more key, with no value
+      std::vector<int64_t> sink_column = scores.sizes().vec();
+      sink_column.back() = 1;
+      const at::Tensor with_sink = detail::probabilities(at::cat({scores, sink->expand(sink_column)}, -1), row_lse);
+      probs = with_sink.slice(-1, 0, seq_k);
+      p_sink = with_sink.slice(-1, seq_k);
+    }
+    const at::Tensor d_out = detail::group_view(grad_out.slice(2, rows.start, rows.stop).to(acc), kv_heads);
+    dv += at::matmul(probs.transpose(-1, -2), d_out);
+    const at::Tensor d_probs = at::matmul(d_out, v_acc.transpose(-1, -2));
+    const at::Tensor row_delta = detail::group_view(delta.slice(2, rows.start, rows.stop).unsqueeze(-1), kv_heads);
+    at::Tensor d_scores = probs * (d_probs - row_delta);
+    if (dmask.has_value()) dmask->slice(2, rows.start, rows.stop).copy_(d_scores.flatten(1, 2));
+    // d(out)/d(sink) = -p_sink * out, so the row's share is -p_sink * delta.
+    if (dsink.has_value()) *dsink -= (p_sink * row_delta).sum({0, 3, 4}, /*keepdim=*/true);
+    // d(cap * tanh(x / cap)) / dx = 1 - (capped / cap)^2
+    if (softcap != 0) d_scores = d_scores * (1 - at::pow(capped / softcap, 2));
+    dq.slice(2, rows.start, rows.stop).copy_(at::matmul(d_scores, k_acc).flatten(1, 2) * scale);
+    const at::Tensor q_rows = detail::group_view(q.slice(2, rows.start, rows.stop).to(acc), kv_heads);
+    dk += at::matmul(d_scores.transpose(-1, -2), q_rows) * scale;
+  }
+  const at::Tensor none = at::empty({0}, q.options());
+  const at::Tensor dmask_out =
+      dmask.has_value() ? detail::reduce_to_shape(*dmask, mask->sizes()).to(mask->scalar_type()).contiguous() : none;
+  const at::Tensor dsinks_out =
+      dsink.has_value() ? dsink->reshape(sinks->sizes()).to(sinks->scalar_type()).contiguous() : none;
+  return {dq.to(q.scalar_type()).contiguous(), dk.sum(2).to(k.scalar_type()).contiguous(),
+          dv.sum(2).to(v.scalar_type()).contiguous(), dmask_out, dsinks_out};
+}
+
+// d loss / d sinks ([Hq], the sinks' dtype) for a forward whose float32 lse holds the sinks: a sink is one more
+// key whose value is zero, so its score's gradient is p_sink * (0 - rowsum(dO * O)), summed over batch and rows.
+// What runs with a backward kernel that knows nothing of sinks (fa2_inductor._cuda.sinks_gradient in Python).
+inline at::Tensor sinks_gradient(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                                 const at::Tensor& sinks) {
+  const at::Tensor delta = (grad_out.to(at::kFloat) * out.to(at::kFloat)).sum(-1);  // [B, Hq, Sq]
+  const at::Tensor p_sink = at::exp(sinks.to(at::kFloat).view({1, -1, 1}) - lse);
+  // A row with no key and a -inf sink has lse -inf: NaN above, no gradient.
+  const at::Tensor shares = at::where(at::isneginf(lse), at::zeros_like(p_sink), p_sink) * delta;
+  return (-shares.sum({0, 2})).to(sinks.scalar_type());
 }
 
 }  // namespace fa2

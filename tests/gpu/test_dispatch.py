@@ -438,8 +438,8 @@ def test_backward_runs_the_kernel_through_the_cpp_path(fresh_counters):
 
 
 def test_backward_fallbacks_through_the_cpp_path_are_counted(monkeypatch, fresh_counters):
-    """With our backward kernel switched off, the C++ path calls Python back: PyTorch's flash backward where it
-    can (no mask), the reference where it cannot (an additive mask whose gradient is asked for)."""
+    """With our backward kernel switched off, the C++ path runs PyTorch's flash backward where it can (no mask),
+    the reference's C++ port where it cannot (an additive mask whose gradient is asked for); Python counts."""
     monkeypatch.setenv("FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL", "1")
     reason = "backward kernel disabled (FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL=1)"
     g, q, k, v, out, lse = _backward_call()
@@ -457,3 +457,23 @@ def test_backward_fallbacks_through_the_cpp_path_are_counted(monkeypatch, fresh_
     assert fresh_counters[f"backward_fallback:{reason}"] == 2
     assert fresh_counters[f"reference_fallback:backward: {reason}"] == 1
 
+
+def test_flash_backward_through_the_cpp_path_takes_a_window_and_sinks(monkeypatch, fresh_counters):
+    """The C++ path's boxed call of PyTorch's flash backward passes the window as Python's call does, and adds
+    the sinks' gradient from the LSE."""
+    monkeypatch.setenv("FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL", "1")
+    reason = "backward kernel disabled (FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL=1)"
+    q, k, v = make_qkv(1, 4, 2, 200, 200, D, DTYPES[DT], seed=11)
+    why = _cuda.flash_backward_unsupported_reason(q, k, v, None, True, 16)
+    if why is not None:
+        pytest.skip(why)
+    sinks = torch.linspace(-1.0, 2.0, 4, device=DEV)
+    out, lse = op(q, k, v, None, 0.125, True, 16, 0, 0.0, sinks)
+    g = torch.randn_like(q)
+    dq, dk, dv, dmask, dsinks = torch.ops.fa2_inductor.flash_attention_bwd(g, q, k, v, out, lse, None, 0.125, True,
+                                                                           False, 16, 0.0, sinks)
+    for a, b in zip((dq, dk, dv), _cuda.backward(g, q, k, v, out, lse, 0.125, True, 16)):
+        torch.testing.assert_close(a, b)  # PyTorch's flash backward adds dQ with atomics
+    torch.testing.assert_close(dsinks, _cuda.sinks_gradient(g, out, lse, sinks))
+    assert dmask.numel() == 0 and dsinks.shape == sinks.shape
+    assert dict(fresh_counters) == {f"backward_fallback:{reason}": 1}
