@@ -623,3 +623,5 @@ def test_a_documents_build_names_the_head_dims_with_kernels_of_their_own():
     assert "fa2_inductor 0.1.0 at commit 8e4df8f718 (kernels for head dims 64, 96, 128);" in line
     del env["kernel_head_dims"]  # documents written before the field existed
     assert "kernels for" not in results.measured_on(env, "x.json")
+    env["git_dirty"] = True  # measured on a tree the commit does not name
+    assert "at commit 8e4df8f718 with uncommitted changes;" in results.measured_on(env, "x.json")

@@ -112,14 +112,13 @@ class Progress:
 # ---------------------------------------------------------------- JSON and environment
 
 
-def _git_commit() -> Optional[str]:
+def _git(*args: str) -> Optional[str]:
+    """git's output in this package's checkout, or None where there is no git or no checkout."""
     try:
-        result = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
-        )
+        result = subprocess.run(["git", *args], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent)
     except (OSError, subprocess.SubprocessError):
         return None
-    return result.stdout.strip() or None
+    return result.stdout.strip() if result.returncode == 0 else None
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -131,7 +130,9 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "device": str(device),
-        "git_commit": _git_commit(),
+        "git_commit": _git("rev-parse", "HEAD") or None,
+        # Tracked files changed since that commit: the numbers are of a tree the commit does not name.
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     if device.type == "cuda":

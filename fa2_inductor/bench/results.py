@@ -51,7 +51,7 @@ def measured_on(env: dict, source: str) -> str:
     commit = env.get("git_commit")
     build = f"fa2_inductor {env.get('fa2_inductor', '?')}"
     if commit and commit != "HEAD":
-        build += f" at commit {commit[:10]}"
+        build += f" at commit {commit[:10]}" + (" with uncommitted changes" if env.get("git_dirty") else "")
     if env.get("kernel_head_dims"):
         build += f" (kernels for head dims {', '.join(map(str, env['kernel_head_dims']))})"
     parts.append(build + ("" if env.get("kernel_loaded", True) else " (kernel NOT loaded)"))
