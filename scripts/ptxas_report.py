@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -87,4 +88,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # `ptxas_report.py build.log | head` closes the pipe early: end quietly, as other filters do.
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     sys.exit(main())
