@@ -333,7 +333,7 @@ def _prepare(variant: Variant, workload, result: Result, shape: dict, dtype, dev
 
 def run_phase(variants: list[Variant], workload, shape: dict, dtype, device, args) -> list[Result]:
     """Every variant on one phase and length: each model built, compiled, called and checked first, then all
-    timed together in turns (``medians_in_turns``: one call of each per round, the order reversed every other
+    timed together in turns (``time_compiled_in_turns``: one call of each per round, the order reversed every other
     round), so that the GPU's clocks drifting over the phase reach every variant alike. Timed one after the
     other, a variant's time depended on what ran before it: the zoo's t5-base, every site refused and so
     plain Inductor's code, read 1.20x and 1.72x the time of plain Inductor on the H200. The models and
@@ -353,7 +353,7 @@ def run_phase(variants: list[Variant], workload, shape: dict, dtype, device, arg
                 result.error = _error_line(exc)
             results.append(result)
         timed = medians(time_compiled_in_turns(calls, device, warmup=args.warmup, reps=args.reps))
-        title = lambda name: f"{workload.phase} {workload.seqlen} {name}"  # noqa: E731
+        title = f"{workload.phase} {workload.seqlen}"
         profiles = profile_calls(args.profile, calls, title, device) if args.profile else {}
     for result in results:
         median, profile = timed.get(result.variant), profiles.get(result.variant)
@@ -436,8 +436,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--tiny", action="store_true", help="2-layer float32 model on CPU (for tests)")
     zoo.add_arguments(parser)
-    args = parser.parse_args(argv)
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv=None) -> list:

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Tile / schedule sweep on a Hopper machine: each variant is a set of -D flags for the macros in
-# csrc/fa2/tile_config.h and bwd_traits.hpp (FA2_PINGPONG, FA2_TILE_N_HDIM192, FA2_BWD_STAGED_DQ_HDIM256, ...).
-# Every variant is built (bf16 only)
-# in its own copy of the tree, all in parallel, then only fa2_inductor is timed per variant, one after
-# the other, with python -m fa2_inductor.bench (JSON, plot and log per variant in RESULTS_DIR).
+# csrc/fa2/tile_config.h, bwd_traits.hpp and decode.hpp (FA2_PINGPONG, FA2_TILE_N_HDIM192,
+# FA2_BWD_STAGED_DQ_HDIM256, FA2_DECODE_COL_SPLIT, ...). Every variant is built (bf16 only) in its own copy
+# of the tree, all in parallel, then only fa2_inductor is timed per variant, one after the other, with
+# python -m fa2_inductor.bench (JSON, plot and log per variant in RESULTS_DIR).
 #
 #   scripts/tile_sweep.sh RESULTS_DIR base: pp:-DFA2_PINGPONG=1 wideN:-DFA2_TILE_N_HDIM128=176
 #   SWEEP_BENCH_ARGS="--seqlens 2048 8192 --head-dims 128" scripts/tile_sweep.sh ...   (default: 2k, 8k, all head dims)

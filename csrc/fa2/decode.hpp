@@ -135,7 +135,7 @@ struct Plan {
   int groups = 1;            // query heads per KV head
   int row_tiles = 1;         // 16-row tiles per (batch, KV head)
   int num_blocks = 0;        // blocks of Config::kBlockN keys
-  int splits = 1;             // split s takes blocks s, s + splits, ... (at most kMaxBlocksPerSplit)
+  int splits = 1;             // each takes at most kMaxBlocksPerSplit blocks (dealt out: see the split kernel)
   int64_t partial_rows = 0;  // B * Hq * Sq
   int64_t workspace_bytes = 0;
 };
@@ -264,10 +264,11 @@ __global__ void __launch_bounds__(Config<HeadDim>::kThreads) decode_split_kernel
   // Split s takes key blocks s, s + splits, s + 2 splits, ...: where only some keys are visible (a static
   // cache's filled prefix) they spread over every split instead of filling the first few.
   const bool dealt = FA2_DECODE_DEAL_UNMASKED || p.mask != nullptr;
-  const int per_split = (plan.num_blocks + plan.splits - 1) / plan.splits, first = dealt ? split : split * per_split;
-  const int num_blocks = dealt ? (plan.num_blocks - split + plan.splits - 1) / plan.splits
-                               : max(0, min(per_split, plan.num_blocks - first));
-  auto key_block = [&](int local) { return dealt ? split + local * plan.splits : first + local; };
+  const int per_split = (plan.num_blocks + plan.splits - 1) / plan.splits;
+  const int first = dealt ? split : split * per_split, stride = dealt ? plan.splits : 1;
+  const int end = dealt ? plan.num_blocks : min(plan.num_blocks, first + per_split);
+  const int num_blocks = max(0, (end - first + stride - 1) / stride);
+  auto key_block = [&](int local) { return first + local * stride; };
 
   // 1. The blocks of this split that some row of the tile sees, and those where the mask hides a key that the
   // positions leave visible (elsewhere a bool mask's bits need not be read again).

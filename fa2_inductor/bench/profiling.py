@@ -57,8 +57,8 @@ def append_profile(path: Path, title: str, fn: Callable[[], object], device: tor
     return found
 
 
-def profile_calls(path: Path, calls: dict[str, Callable[[], object]], title: Callable[[str], str],
+def profile_calls(path: Path, calls: dict[str, Callable[[], object]], title: str,
                   device: torch.device) -> dict[str, CallProfile]:
-    """``append_profile`` of each call, under ``title(name)``: the profiles of those that ran, by name."""
-    found = {name: append_profile(path, title(name), fn, device) for name, fn in calls.items()}
+    """``append_profile`` of each call, under "<title> <name>": the profiles of those that ran, by name."""
+    found = {name: append_profile(path, f"{title} {name}", fn, device) for name, fn in calls.items()}
     return {name: profile for name, profile in found.items() if profile is not None}

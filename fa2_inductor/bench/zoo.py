@@ -198,8 +198,7 @@ def run_entry(entry: ZooEntry, device: torch.device, args, on_run: Callable[[Run
             else:
                 runs[backend].median_ms = median
         if args.profile:
-            title = lambda backend: f"{entry.name} {impl} {backend}"  # noqa: E731
-            for backend, profile in profile_calls(args.profile, calls, title, device).items():
+            for backend, profile in profile_calls(args.profile, calls, f"{entry.name} {impl}", device).items():
                 runs[backend].profile_wall_ms, runs[backend].profile_device_ms = profile.wall_ms, profile.device_ms
         for run in runs.values():
             on_run(run)
