@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from .backward import backward_rows
-from .decode import decode_rows
+from .decode import BATCHES as DECODE_BATCHES, CONTEXTS as DECODE_CONTEXTS, decode_rows
 from .cases import CAUSAL_CHOICES, DTYPES, PAPER_HIDDEN, PAPER_TOKENS, sweep_cells
 from .implementations import DEFAULT_IMPLS, IMPLEMENTATIONS, TOLERANCES
 from .masked_backward import SEQLENS as MASKED_TRAINING_SEQLENS
@@ -117,6 +117,15 @@ def _parser() -> argparse.ArgumentParser:
         help="only the decode-step rows (Sq=1, GQA 32/8, d128, bf16, contexts 512-32k, batches 1-32, dynamic and "
         "static KV cache): microseconds per call of the op and every SDPA backend; writes --json",
     )
+    parser.add_argument("--contexts", type=int, nargs="+", default=list(DECODE_CONTEXTS),
+                        help="--decode: the filled cache lengths (default %(default)s)")
+    parser.add_argument("--batches", type=int, nargs="+", default=list(DECODE_BATCHES),
+                        help="--decode: the batch sizes (default %(default)s)")
+    parser.add_argument(
+        "--profile", type=Path, metavar="TXT",
+        help="--decode: each cell's calls once more under torch.profiler (10 calls each), the kernels' times "
+        "appended to TXT: where a call's time goes (split and combine kernels, launch gaps)",
+    )
     parser.add_argument(
         "--backward", action="store_true",
         help="training rows instead: forward+backward and backward alone of fa2_inductor, sdpa_flash and "
@@ -152,6 +161,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if min(args.seqlens) < 1 or args.tokens < 1 or args.hidden < 1:
         parser.error("seqlens, --tokens and --hidden must be positive")
+    if min(args.contexts) < 1 or min(args.batches) < 1:
+        parser.error("--contexts and --batches must be positive")
     if not all(1 <= d <= 256 for d in args.head_dims):
         parser.error("head dims must be between 1 and 256")
     if args.warmup < 0 or args.reps < 1:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .measure import describe_exception
+from .profiling import profile_calls
 from .report import environment, environment_line, write_json
 from .timing import input_set_count, medians_in_turns
 
@@ -29,6 +30,7 @@ HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 STATIC_CACHE_LEN = 32768
 DTYPE = torch.bfloat16
 L2_BYTES = 50 * 2**20
+PROFILED_CALLS = 10  # --profile: per implementation and cell, so that each kernel's average is over several calls
 PEERS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -81,6 +83,11 @@ def _first_that_runs(forms: tuple, inputs: tuple):
     return None, None
 
 
+def _repeated(fn, sets):
+    """``PROFILED_CALLS`` calls of ``fn`` on the rotating input sets, as one argument-free call."""
+    return lambda: [fn(*sets[i % len(sets)]) for i in range(PROFILED_CALLS)]
+
+
 def _expected(q, k, v, mask):
     with sdpa_kernel(SDPBackend.MATH):
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
@@ -94,10 +101,13 @@ def decode_rows(args: argparse.Namespace) -> int:
     reps, warmup = max(args.reps, 20), max(args.warmup, 5)
     impls = {"fa2_inductor": (_ours,), **{name: _peer_forms(backend) for name, backend in PEERS.items()}}
     records, failed = [], False
+    if args.profile:
+        args.profile.write_text(f"{PROFILED_CALLS} calls of each implementation per cell under torch.profiler, "
+                                "after the timing\n")
     print(f"{'form':<8}{'ctx':>6}{'B':>4}" + "".join(f"{name:>16}" for name in impls) + "   best peer / ours  ours GB/s")
     for form in ("dynamic", "static"):
-        for context in CONTEXTS:
-            for batch in BATCHES:
+        for context in args.contexts:
+            for batch in args.batches:
                 slots = max(STATIC_CACHE_LEN, context) if form == "static" else context
                 g = torch.Generator(device=device).manual_seed(args.seed)
                 set_bytes = 2 * batch * HEADS_KV * slots * HEAD_DIM * DTYPE.itemsize
@@ -121,6 +131,9 @@ def decode_rows(args: argparse.Namespace) -> int:
                         failed |= name == "fa2_inductor"
                     else:
                         us[name] = 1e3 * ms
+                if args.profile:
+                    profile_calls(args.profile, {name: _repeated(fn, sets) for name, fn in checked.items()},
+                                  f"{form} ctx={context} B={batch}", device)
                 peers = {name: t for name, t in us.items() if name != "fa2_inductor"}
                 best = min(peers, key=peers.get) if peers else None
                 read_bytes = 2 * batch * HEADS_KV * context * HEAD_DIM * DTYPE.itemsize
