@@ -305,7 +305,7 @@ inline at::Tensor sinks_gradient(const at::Tensor& grad_out, const at::Tensor& o
   const at::Tensor p_sink = at::exp(sinks.to(at::kFloat).view({1, -1, 1}) - lse);
   // A row with no key and a -inf sink has lse -inf: NaN above, no gradient.
   const at::Tensor shares = at::where(at::isneginf(lse), at::zeros_like(p_sink), p_sink) * delta;
-  return (-shares.sum({0, 2})).to(sinks.scalar_type());
+  return (-shares.sum(at::IntArrayRef{0, 2})).to(sinks.scalar_type());
 }
 
 }  // namespace fa2
