@@ -54,6 +54,10 @@ def isolated_compile_state() -> Iterator[None]:
     ours = _our_config()
     torch._dynamo.reset()
     counters.clear()
+    # Every test compiles CPU graphs to scalar C++ (it compiles faster; the pass sees the same graph). One
+    # setting for all: Inductor caches its vector-ISA choice per process, so a test compiling vectorised code
+    # after one that compiled scalar code got a C++ compile error.
+    torch._inductor.config.cpp.vec_isa_ok = False
     yield
     torch._dynamo.reset()
     for module, values in saved:

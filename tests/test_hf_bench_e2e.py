@@ -17,7 +17,7 @@ def test_tiny_run_checks_times_and_writes_every_variant(tmp_path, monkeypatch):
     out = tmp_path / "e2e.json"
     # --tiny turns config.rewrite_on_cpu on; monkeypatch puts it back for the other tests.
     monkeypatch.setattr(fa2_inductor.config, "rewrite_on_cpu", fa2_inductor.config.rewrite_on_cpu)
-    with torch._inductor.config.patch(force_disable_caches=True, **{"cpp.vec_isa_ok": False}):
+    with torch._inductor.config.patch(force_disable_caches=True):
         # Ours and uncompiled SDPA only: plain Inductor variants would add compiles and test nothing of ours.
         names = ["sdpa", "fa2_inductor (eager attn)", "fa2_inductor (sdpa attn)", "fa2_inductor interface"]
         argv = ["--tiny", "--seqlens", "16", "--warmup", "0", "--reps", "1", "--json", str(out), "--variants", *names]
@@ -46,7 +46,7 @@ def test_tiny_run_checks_times_and_writes_every_variant(tmp_path, monkeypatch):
 def test_tiny_training_steps_check_loss_and_gradients(tmp_path, monkeypatch):
     out = tmp_path / "e2e_train.json"
     monkeypatch.setattr(fa2_inductor.config, "rewrite_on_cpu", fa2_inductor.config.rewrite_on_cpu)
-    with torch._inductor.config.patch(force_disable_caches=True, **{"cpp.vec_isa_ok": False}):
+    with torch._inductor.config.patch(force_disable_caches=True):
         # One compiled variant (each training compile costs ~10 s of CPU): the hand-written attention, whose
         # additive mask the pass must read in a joint graph; Llama's SDPA training is tests/test_hf_models.py's.
         names = ["sdpa", "fa2_inductor (eager attn)", "fa2_inductor interface"]

@@ -86,9 +86,7 @@ def compile_on_cpu(monkeypatch):
     capture = CaptureOpCalls()
     torch._dynamo.reset()
     counters.clear()
-    with torch._inductor.config.patch(
-        force_disable_caches=True, post_grad_custom_post_pass=capture, **{"cpp.vec_isa_ok": False}
-    ):
+    with torch._inductor.config.patch(force_disable_caches=True, post_grad_custom_post_pass=capture):
         yield capture
     torch._dynamo.reset()
 

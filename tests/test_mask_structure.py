@@ -57,8 +57,7 @@ def capture(monkeypatch):
     calls = CaptureCalls()
     torch._dynamo.reset()
     counters.clear()
-    with torch._inductor.config.patch(force_disable_caches=True, post_grad_custom_post_pass=calls,
-                                      **{"cpp.vec_isa_ok": False}):
+    with torch._inductor.config.patch(force_disable_caches=True, post_grad_custom_post_pass=calls):
         yield calls
     torch._dynamo.reset()
     counters.clear()
