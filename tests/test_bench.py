@@ -116,6 +116,9 @@ def test_flags_are_parsed():
         ["--dtypes", "int8"],
         ["--impls", "xformers"],
         ["--causal", "maybe"],
+        ["--decode", "--contexts", "0"],
+        ["--decode", "--batches", "-1"],
+        ["--decode", "--peers", "sdpa_magic"],
     ],
 )
 def test_bad_arguments_are_refused(argv, capsys):
@@ -470,6 +473,16 @@ def test_mask_modes_default_to_their_own_seqlens():
     assert bench.parse_args(["--device", "cuda", "--backward"]).seqlens == bench.FULL_SWEEP["seqlens"]
     assert bench.parse_args(["--device", "cuda", "--masks"]).seqlens == [1024, 2048, 4096, 8192]
     assert bench.parse_args(["--device", "cuda", "--masks", "--seqlens", "512"]).seqlens == [512]
+
+
+def test_decode_cells_and_peers_default_to_the_full_table():
+    from fa2_inductor.bench import decode
+
+    args = bench.parse_args(["--device", "cuda", "--decode"])
+    assert (args.contexts, args.batches, args.peers) == (list(decode.CONTEXTS), list(decode.BATCHES), list(decode.PEERS))
+    chosen = bench.parse_args(["--device", "cuda", "--decode", "--contexts", "2048", "--batches", "1", "8",
+                               "--peers", "sdpa_cudnn"])
+    assert (chosen.contexts, chosen.batches, chosen.peers) == ([2048], [1, 8], ["sdpa_cudnn"])
 
 
 def _visible_pairs(seqlen, lengths, window=None, causal=True):

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from .backward import backward_rows
-from .decode import BATCHES as DECODE_BATCHES, CONTEXTS as DECODE_CONTEXTS, decode_rows
+from .decode import BATCHES as DECODE_BATCHES, CONTEXTS as DECODE_CONTEXTS, PEERS as DECODE_PEERS, decode_rows
 from .cases import CAUSAL_CHOICES, DTYPES, PAPER_HIDDEN, PAPER_TOKENS, sweep_cells
 from .implementations import DEFAULT_IMPLS, IMPLEMENTATIONS, TOLERANCES
 from .masked_backward import SEQLENS as MASKED_TRAINING_SEQLENS
@@ -121,6 +121,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="--decode: the filled cache lengths (default %(default)s)")
     parser.add_argument("--batches", type=int, nargs="+", default=list(DECODE_BATCHES),
                         help="--decode: the batch sizes (default %(default)s)")
+    parser.add_argument("--peers", nargs="+", choices=list(DECODE_PEERS), default=list(DECODE_PEERS),
+                        help="--decode: the SDPA backends timed beside the op (default %(default)s)")
     parser.add_argument(
         "--profile", type=Path, metavar="TXT",
         help="--decode: each cell's calls once more under torch.profiler (10 calls each), the kernels' times "

@@ -99,7 +99,7 @@ def decode_rows(args: argparse.Namespace) -> int:
     env = environment(device)
     print(environment_line(env))
     reps, warmup = max(args.reps, 20), max(args.warmup, 5)
-    impls = {"fa2_inductor": (_ours,), **{name: _peer_forms(backend) for name, backend in PEERS.items()}}
+    impls = {"fa2_inductor": (_ours,), **{name: _peer_forms(PEERS[name]) for name in args.peers}}
     records, failed = [], False
     if args.profile:
         args.profile.write_text(f"{PROFILED_CALLS} calls of each implementation per cell under torch.profiler, "
