@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -590,6 +591,14 @@ int resident_ctas_per_sm() {
   return counts[device];
 }
 
+// At least `fewest` splits, at most one per block, and no split left empty (blocks per split rounded up).
+inline int whole_splits(int wanted, int num_blocks) {
+  const int fewest = std::max(1, (num_blocks + kMaxBlocksPerSplit - 1) / kMaxBlocksPerSplit);
+  wanted = std::max(fewest, std::min(wanted, std::max(1, num_blocks)));
+  const int blocks_per_split = (num_blocks + wanted - 1) / wanted;
+  return std::max(1, (num_blocks + blocks_per_split - 1) / blocks_per_split);
+}
+
 // How many splits the keys of `num_blocks` blocks get when each split launches `ctas` CTAs and `slots` CTAs
 // run at once. The time is about (waves of CTAs) x (blocks per CTA + one block's worth of fixed cost: the
 // CTA's prologue and its rows in the combine), so a last wave that fills a few SMs costs a whole wave:
@@ -603,13 +612,24 @@ inline int choose_splits(int64_t ctas, int num_blocks, int64_t slots) {
   int best = fewest;
   int64_t best_cost = INT64_MAX;
   for (int wanted = fewest; wanted <= most; ++wanted) {
-    const int blocks_per_split = (num_blocks + wanted - 1) / wanted;
-    const int splits = (num_blocks + blocks_per_split - 1) / blocks_per_split;  // none left empty
+    const int splits = whole_splits(wanted, num_blocks);
+    const int blocks_per_split = (num_blocks + splits - 1) / splits;
     const int64_t waves = (ctas * splits + slots - 1) / slots;
     const int64_t cost = waves * (blocks_per_split + 1);
     if (cost < best_cost) best = splits, best_cost = cost;
   }
   return best;
+}
+
+// FA2_INDUCTOR_DECODE_SPLITS=n (a tuning knob, read once): n splits instead of choose_splits' count, within
+// what a plan allows (at least enough for kMaxBlocksPerSplit, at most one per block), to time the curve that
+// choose_splits models.
+inline int forced_splits() {
+  static const int n = [] {
+    const char* value = std::getenv("FA2_INDUCTOR_DECODE_SPLITS");
+    return value == nullptr ? 0 : std::max(0, std::atoi(value));
+  }();
+  return n;
 }
 
 template <int HeadDim, DType Dt>
@@ -621,7 +641,8 @@ Plan make_plan(const FwdParams& p) {
   plan.num_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
   const int64_t ctas = int64_t(p.batch) * p.heads_kv * plan.row_tiles;
   const int64_t slots = int64_t(sm_count()) * resident_ctas_per_sm<HeadDim, Dt>();
-  plan.splits = choose_splits(ctas, plan.num_blocks, slots);
+  plan.splits = forced_splits() > 0 ? whole_splits(forced_splits(), plan.num_blocks)
+                                    : choose_splits(ctas, plan.num_blocks, slots);
   plan.partial_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   // One split writes out and lse itself: partial rows only for the combine.
   const int64_t floats = plan.splits == 1 ? 0 : int64_t(plan.splits) * plan.partial_rows * (p.head_dim + 2);
