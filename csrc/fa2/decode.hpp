@@ -272,10 +272,12 @@ __global__ void __launch_bounds__(Config<HeadDim>::kThreads) decode_split_kernel
   auto key_block = [&](int local) { return first + local * stride; };
 
   // 1. The blocks of this split that some row of the tile sees, and those where the mask hides a key that the
-  // positions leave visible (elsewhere a bool mask's bits need not be read again).
-  if (tid == 0) visible_blocks = masked_blocks = 0ull;
-  __syncthreads();
-  {
+  // positions leave visible (elsewhere a bool mask's bits need not be read again). Without a mask, causal or
+  // window every block is seen (each holds a key below Sk): no scan, and the loads start at once.
+  const bool every_block = p.mask == nullptr && !p.causal && p.window_left < 0;
+  if (!every_block) {
+    if (tid == 0) visible_blocks = masked_blocks = 0ull;
+    __syncthreads();
     unsigned long long mine = 0ull, hidden = 0ull;
     if (p.mask != nullptr) {
       // With a mask shared by the heads, a row's visibility depends on its query position only: the tile's
@@ -311,8 +313,9 @@ __global__ void __launch_bounds__(Config<HeadDim>::kThreads) decode_split_kernel
     cp_async_16(smem_address(q_smem + r * kPitch + c * 8), valid ? q_row_ptr(r) + c * 8 : p.q, valid);
   }
   cp_async_commit();
-  __syncthreads();
-  unsigned long long todo = visible_blocks;
+  if (!every_block) __syncthreads();  // the scan's result
+  unsigned long long todo = !every_block ? visible_blocks : num_blocks == 64 ? ~0ull : (1ull << num_blocks) - 1;
+  static_assert(kMaxBlocksPerSplit == 64, "a split's blocks are the bits of one 64-bit word");
 
   auto load_block = [&](int stage, int block) {
     T* k_dst = stage_smem + stage * S::kStageElems;
@@ -364,7 +367,8 @@ __global__ void __launch_bounds__(Config<HeadDim>::kThreads) decode_split_kernel
     // Visibility and mask terms first: their loads are in flight while the MMAs run. A float mask's values
     // are always read; a bool mask's only in blocks where it hides a key.
     const int key0 = key_block(block) * kBlockN + group * 16;
-    const bool read_mask_here = p.mask_dtype != MaskDType::kBool || (masked_blocks >> block & 1ull);
+    const bool read_mask_here =
+        p.mask != nullptr && (p.mask_dtype != MaskDType::kBool || (masked_blocks >> block & 1ull));
     bool visible[2][4];
     float bias[2][4];
 #pragma unroll
