@@ -625,15 +625,12 @@ inline int choose_splits(int64_t ctas, int num_blocks, int64_t slots) {
   return best;
 }
 
-// FA2_INDUCTOR_DECODE_SPLITS=n (a tuning knob, read once): n splits instead of choose_splits' count, within
-// what a plan allows (at least enough for kMaxBlocksPerSplit, at most one per block), to time the curve that
-// choose_splits models.
+// FA2_INDUCTOR_DECODE_SPLITS=n (a tuning knob, read at each call so that one process can time several): n splits
+// instead of choose_splits' count, within what a plan allows (at least enough for kMaxBlocksPerSplit, at most one
+// per block), to time the curve that choose_splits models. Unset or 0: the planned count.
 inline int forced_splits() {
-  static const int n = [] {
-    const char* value = std::getenv("FA2_INDUCTOR_DECODE_SPLITS");
-    return value == nullptr ? 0 : std::max(0, std::atoi(value));
-  }();
-  return n;
+  const char* value = std::getenv("FA2_INDUCTOR_DECODE_SPLITS");
+  return value == nullptr ? 0 : std::max(0, std::atoi(value));
 }
 
 template <int HeadDim, DType Dt>
@@ -645,8 +642,8 @@ Plan make_plan(const FwdParams& p) {
   plan.num_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
   const int64_t ctas = int64_t(p.batch) * p.heads_kv * plan.row_tiles;
   const int64_t slots = int64_t(sm_count()) * resident_ctas_per_sm<HeadDim, Dt>();
-  plan.splits = forced_splits() > 0 ? whole_splits(forced_splits(), plan.num_blocks)
-                                    : choose_splits(ctas, plan.num_blocks, slots);
+  const int forced = forced_splits();
+  plan.splits = forced > 0 ? whole_splits(forced, plan.num_blocks) : choose_splits(ctas, plan.num_blocks, slots);
   plan.partial_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   // One split writes out and lse itself: partial rows only for the combine.
   const int64_t floats = plan.splits == 1 ? 0 : int64_t(plan.splits) * plan.partial_rows * (p.head_dim + 2);

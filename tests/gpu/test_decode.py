@@ -10,11 +10,6 @@ sm_90 GPU and fa2_inductor._C exist.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -33,7 +28,6 @@ from tests.gpu.kernel_inputs import DEV, DTYPES, HEAD_DIMS, make_qkv, needs_kern
 from tests.gpu.test_softcap_sinks_kernel import check_forward  # noqa: E402
 
 DECODE_MAX_SQ = _extension.C.limits()["decode_max_seqlen_q"]
-REPO = Path(__file__).resolve().parents[2]
 op = torch.ops.fa2_inductor.flash_attention_fwd.default
 
 # (B, Hq, Hkv, Sq, Sk): one row and one key; a GQA group of 4 and of 8 packed into 16-row tiles; 16 rows x
@@ -147,28 +141,16 @@ def test_the_op_runs_decode_steps_on_the_kernel(policy, fresh_counters):
     assert (lse.double() - ref_lse)[finite].abs().max().item() < 1e-2
 
 
-# Unmasked and a static cache filled to 70 of 5000 slots (79 blocks: more than one split holds), in a process of
-# its own: the split count is read once per process.
-FORCED_SPLITS_SCRIPT = """
-import torch
-from tests.gpu.kernel_inputs import make_qkv
-from tests.gpu.test_decode import static_cache_mask
-from tests.gpu.test_softcap_sinks_kernel import check_forward
-q, k, v = make_qkv(2, 32, 8, 1, 5000, 128, torch.bfloat16, seed=4)
-check_forward(q, k, v, False, 0.0, None)
-check_forward(q, k, v, False, 0.0, None, static_cache_mask(2, 1, 5000, [70, 5000], "bool"))
-"""
-
-
 @pytest.mark.parametrize("splits", [1, 3, 1000])
-def test_forced_split_counts_keep_the_answer(splits):
-    """FA2_INDUCTOR_DECODE_SPLITS (a tuning knob) within the plan's bounds: 1 becomes the 2 that 79 blocks need,
-    1000 one split per block."""
+def test_forced_split_counts_keep_the_answer(splits, monkeypatch):
+    """FA2_INDUCTOR_DECODE_SPLITS (a tuning knob, read at each call) within the plan's bounds: 79 blocks (5000
+    keys) make 1 the 2 that a split's 64-block limit needs, 1000 one split per block. Unmasked, and a static
+    cache filled to 70 of the 5000 slots."""
     needs_kernel(128, "bf16")
-    env = {**os.environ, "FA2_INDUCTOR_DECODE_SPLITS": str(splits)}
-    result = subprocess.run([sys.executable, "-c", FORCED_SPLITS_SCRIPT], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    monkeypatch.setenv("FA2_INDUCTOR_DECODE_SPLITS", str(splits))
+    q, k, v = make_qkv(2, 32, 8, 1, 5000, 128, torch.bfloat16, seed=4)
+    check_forward(q, k, v, False, 0.0, None)
+    check_forward(q, k, v, False, 0.0, None, static_cache_mask(2, 1, 5000, [70, 5000], "bool"))
 
 
 def test_repeats_are_bit_identical():
