@@ -121,6 +121,8 @@ def test_flags_are_parsed():
         ["--decode", "--batches", "-1"],
         ["--decode", "--peers", "sdpa_magic"],
         ["--decode", "--splits", "0"],
+        ["--splits", "2"],
+        ["--profile", "p.txt"],
     ],
 )
 def test_bad_arguments_are_refused(argv, capsys):

@@ -168,6 +168,8 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("seqlens, --tokens and --hidden must be positive")
     if min(args.contexts) < 1 or min(args.batches) < 1 or min(args.splits, default=1) < 1:
         parser.error("--contexts, --batches and --splits must be positive")
+    if not args.decode and (args.profile or args.splits):
+        parser.error("--profile and --splits are --decode options")
     if not all(1 <= d <= 256 for d in args.head_dims):
         parser.error("head dims must be between 1 and 256")
     if args.warmup < 0 or args.reps < 1:
