@@ -13,7 +13,8 @@
 //   ldmatrix; K/V blocks in kStages cp.async stages), then merge their rows in shared memory;
 // - before its loop a CTA finds which of its key blocks any of its rows sees (mask, causal/window, Sk)
 //   and only loads those: the unfilled slots of a static KV cache (masked keys) cost a mask read, not a
-//   K/V read.
+//   K/V read; a call with no mask, causal or window visits all its blocks in order, with no scan and no
+//   limit on how many a split holds (at batch 32 one split per tile, no combine).
 // Decode is bound by K/V bandwidth, so the warp-level MMAs (not WGMMA) cost nothing that shows.
 #pragma once
 
@@ -36,7 +37,7 @@ namespace decode {
 
 constexpr int kRows = 16;                    // packed query rows per CTA (one m16 tile)
 constexpr int kStages = 3;                   // K/V blocks in flight per CTA
-constexpr int kMaxBlocksPerSplit = 64;       // a split's visible-block set is one 64-bit word
+constexpr int kMaxBlocksPerSplit = 64;       // where blocks are scanned: a split's visible-block set is one word
 constexpr int kCombineRowsPerCta = 4;        // one warp per output row
 constexpr int kCombineMaxSplits = 256;       // split weights a combining warp keeps in shared memory
 constexpr float kLog2e = 1.4426950408889634f;
@@ -136,7 +137,7 @@ struct Plan {
   int groups = 1;            // query heads per KV head
   int row_tiles = 1;         // 16-row tiles per (batch, KV head)
   int num_blocks = 0;        // blocks of Config::kBlockN keys
-  int splits = 1;             // each takes at most kMaxBlocksPerSplit blocks (dealt out: see the split kernel)
+  int splits = 1;             // blocks dealt out (see the split kernel), at most kMaxBlocksPerSplit each where scanned
   int64_t partial_rows = 0;  // B * Hq * Sq
   int64_t workspace_bytes = 0;
 };
@@ -162,6 +163,12 @@ struct Smem {
                     Config<HeadDim>::kKeyGroups * kRows * HeadDim * int(sizeof(float)),
                 "the key groups' partial rows must fit in the K/V stages");
 };
+
+// A call without a mask, causal or window sees every key: its splits visit each of their blocks in order, with no
+// scan and so no limit on their number; the others scan their blocks into a 64-bit set first.
+__host__ __device__ __forceinline__ bool sees_every_block(const FwdParams& p) {
+  return p.mask == nullptr && !p.causal && p.window_left < 0;
+}
 
 // A packed row of the tile: whether it is a row of the call, its query position and its mask row.
 struct RowView {
@@ -272,9 +279,9 @@ __global__ void __launch_bounds__(Config<HeadDim>::kThreads) decode_split_kernel
   auto key_block = [&](int local) { return first + local * stride; };
 
   // 1. The blocks of this split that some row of the tile sees, and those where the mask hides a key that the
-  // positions leave visible (elsewhere a bool mask's bits need not be read again). Without a mask, causal or
-  // window every block is seen (each holds a key below Sk): no scan, and the loads start at once.
-  const bool every_block = p.mask == nullptr && !p.causal && p.window_left < 0;
+  // positions leave visible (elsewhere a bool mask's bits need not be read again). A call that sees every block
+  // (each holds a key below Sk) skips the scan: its loads start at once.
+  const bool every_block = sees_every_block(p);
   if (!every_block) {
     if (tid == 0) visible_blocks = masked_blocks = 0ull;
     __syncthreads();
@@ -314,8 +321,12 @@ __global__ void __launch_bounds__(Config<HeadDim>::kThreads) decode_split_kernel
   }
   cp_async_commit();
   if (!every_block) __syncthreads();  // the scan's result
-  unsigned long long todo = !every_block ? visible_blocks : num_blocks == 64 ? ~0ull : (1ull << num_blocks) - 1;
-  static_assert(kMaxBlocksPerSplit == 64, "a split's blocks are the bits of one 64-bit word");
+  // The blocks still to visit, 64 at a time from window_base: a scanned split has one window (its visible set),
+  // a split that sees every block as many windows as it has blocks.
+  auto window_of = [&](int base) { return num_blocks - base >= 64 ? ~0ull : (1ull << (num_blocks - base)) - 1; };
+  int window_base = 0;
+  unsigned long long todo = every_block ? window_of(0) : visible_blocks;
+  static_assert(kMaxBlocksPerSplit == 64, "a scanned split's blocks are the bits of one 64-bit word");
 
   auto load_block = [&](int stage, int block) {
     T* k_dst = stage_smem + stage * S::kStageElems;
@@ -333,10 +344,14 @@ __global__ void __launch_bounds__(Config<HeadDim>::kThreads) decode_split_kernel
     }
   };
   auto next_block = [&]() {
-    if (todo == 0ull) return -1;
+    if (todo == 0ull) {
+      if (!every_block || window_base + 64 >= num_blocks) return -1;
+      window_base += 64;
+      todo = window_of(window_base);
+    }
     const int b = __ffsll(static_cast<long long>(todo)) - 1;
     todo &= todo - 1;
-    return b;
+    return window_base + b;
   };
 
   // The blocks in the stages, in visiting order: in_flight[0] is computed next, from stage `stage`.
@@ -596,8 +611,8 @@ int resident_ctas_per_sm() {
 }
 
 // At least `fewest` splits, at most one per block, and no split left empty (blocks per split rounded up).
-inline int whole_splits(int wanted, int num_blocks) {
-  const int fewest = std::max(1, (num_blocks + kMaxBlocksPerSplit - 1) / kMaxBlocksPerSplit);
+inline int whole_splits(int wanted, int num_blocks, int max_blocks_per_split) {
+  const int fewest = std::max(1, (num_blocks + max_blocks_per_split - 1) / max_blocks_per_split);
   wanted = std::max(fewest, std::min(wanted, std::max(1, num_blocks)));
   const int blocks_per_split = (num_blocks + wanted - 1) / wanted;
   return std::max(1, (num_blocks + blocks_per_split - 1) / blocks_per_split);
@@ -607,16 +622,16 @@ inline int whole_splits(int wanted, int num_blocks) {
 // run at once. The time is about (waves of CTAs) x (blocks per CTA + one block's worth of fixed cost: the
 // CTA's prologue and its rows in the combine), so a last wave that fills a few SMs costs a whole wave:
 // e.g. 64 CTAs per split on 264 slots take 4 splits (one wave), not 5 (two). The fewest splits of the
-// cheapest count win; a split holds at most kMaxBlocksPerSplit blocks; more splits than fill two waves
-// never pay.
-inline int choose_splits(int64_t ctas, int num_blocks, int64_t slots) {
-  const int fewest = std::max(1, (num_blocks + kMaxBlocksPerSplit - 1) / kMaxBlocksPerSplit);
+// cheapest count win; a split holds at most max_blocks_per_split blocks (kMaxBlocksPerSplit where they are
+// scanned); more splits than fill two waves never pay.
+inline int choose_splits(int64_t ctas, int num_blocks, int64_t slots, int max_blocks_per_split) {
+  const int fewest = std::max(1, (num_blocks + max_blocks_per_split - 1) / max_blocks_per_split);
   const int64_t two_waves = (2 * slots + ctas - 1) / ctas;
   const int most = int(std::max<int64_t>(fewest, std::min<int64_t>(num_blocks, two_waves)));
   int best = fewest;
   int64_t best_cost = INT64_MAX;
   for (int wanted = fewest; wanted <= most; ++wanted) {
-    const int splits = whole_splits(wanted, num_blocks);
+    const int splits = whole_splits(wanted, num_blocks, max_blocks_per_split);
     const int blocks_per_split = (num_blocks + splits - 1) / splits;
     const int64_t waves = (ctas * splits + slots - 1) / slots;
     const int64_t cost = waves * (blocks_per_split + 1);
@@ -626,8 +641,8 @@ inline int choose_splits(int64_t ctas, int num_blocks, int64_t slots) {
 }
 
 // FA2_INDUCTOR_DECODE_SPLITS=n (a tuning knob, read at each call so that one process can time several): n splits
-// instead of choose_splits' count, within what a plan allows (at least enough for kMaxBlocksPerSplit, at most one
-// per block), to time the curve that choose_splits models. Unset or 0: the planned count.
+// instead of choose_splits' count, within what a plan allows (enough for a split's block limit, at most one per
+// block), to time the curve that choose_splits models. Unset or 0: the planned count.
 inline int forced_splits() {
   const char* value = std::getenv("FA2_INDUCTOR_DECODE_SPLITS");
   return value == nullptr ? 0 : std::max(0, std::atoi(value));
@@ -643,7 +658,9 @@ Plan make_plan(const FwdParams& p) {
   const int64_t ctas = int64_t(p.batch) * p.heads_kv * plan.row_tiles;
   const int64_t slots = int64_t(sm_count()) * resident_ctas_per_sm<HeadDim, Dt>();
   const int forced = forced_splits();
-  plan.splits = forced > 0 ? whole_splits(forced, plan.num_blocks) : choose_splits(ctas, plan.num_blocks, slots);
+  const int max_blocks_per_split = sees_every_block(p) ? std::max(1, plan.num_blocks) : kMaxBlocksPerSplit;
+  plan.splits = forced > 0 ? whole_splits(forced, plan.num_blocks, max_blocks_per_split)
+                           : choose_splits(ctas, plan.num_blocks, slots, max_blocks_per_split);
   plan.partial_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   // One split writes out and lse itself: partial rows only for the combine.
   const int64_t floats = plan.splits == 1 ? 0 : int64_t(plan.splits) * plan.partial_rows * (p.head_dim + 2);
