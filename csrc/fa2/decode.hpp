@@ -321,8 +321,8 @@ __global__ void __launch_bounds__(Config<HeadDim>::kThreads) decode_split_kernel
   }
   cp_async_commit();
   if (!every_block) __syncthreads();  // the scan's result
-  // The blocks still to visit, 64 at a time from window_base: a scanned split has one window (its visible set),
-  // a split that sees every block as many windows as it has blocks.
+  // The blocks still to visit, as bits of a 64-block window from window_base: a scanned split has one window
+  // (its visible set), a split that sees every block one full window after the other.
   auto window_of = [&](int base) { return num_blocks - base >= 64 ? ~0ull : (1ull << (num_blocks - base)) - 1; };
   int window_base = 0;
   unsigned long long todo = every_block ? window_of(0) : visible_blocks;
