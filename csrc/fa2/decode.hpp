@@ -38,8 +38,9 @@ namespace decode {
 constexpr int kRows = 16;                    // packed query rows per CTA (one m16 tile)
 constexpr int kStages = 3;                   // K/V blocks in flight per CTA
 constexpr int kMaxBlocksPerSplit = 64;       // where blocks are scanned: a split's visible-block set is one word
-constexpr int kCombineRowsPerCta = 4;        // one warp per output row
-constexpr int kCombineMaxSplits = 256;       // split weights a combining warp keeps in shared memory
+constexpr int kCombineWarps = 4;             // per output row (a CTA each), sharing its splits
+constexpr int kCombineEarly = 8;             // splits per warp whose first columns are loaded at entry
+constexpr int kCombineMaxSplits = 256;       // split weights a combining CTA keeps in shared memory
 constexpr float kLog2e = 1.4426950408889634f;
 
 // The warps split a block's keys 16 each (key groups: 4, a 64-key block; 2 from D = 192, 32-key blocks). Above
@@ -523,59 +524,115 @@ __global__ void __launch_bounds__(Config<HeadDim>::kThreads) decode_split_kernel
 }
 
 // out and lse from the splits' partial rows: weights sum_s * exp(max_s - max), then the sink (if any) joins the row.
-// One warp per row: the lanes share the splits for the weights, then 4 columns each, the splits' loads of a
-// column group independent of each other.
+// A CTA per row, its warps sharing the splits (split s to warp s % kCombineWarps), each lane 4 columns: the first
+// kCombineEarly splits of a warp are loaded at entry, beside the maxima and sums, so a row of up to
+// kCombineWarps * kCombineEarly splits costs one round of loads rather than one per split group; the warps' sums
+// are added in shared memory in a fixed order.
 template <DType Dt>
-__global__ void __launch_bounds__(32 * kCombineRowsPerCta) decode_combine_kernel(const Args args) {
+__global__ void __launch_bounds__(32 * kCombineWarps) decode_combine_kernel(const Args args) {
   using T = typename Element<Dt>::T;
-  __shared__ float weights[kCombineRowsPerCta][kCombineMaxSplits];
+  __shared__ float weights[kCombineMaxSplits];
+  __shared__ float warp_share[kCombineWarps];
+  __shared__ float4 partial[kCombineWarps][kMaxHeadDim / 4];
   wait_for_prior_grid();  // the split kernel's partial rows (pdl.hpp)
   allow_dependent_grid();  // the empty-row pass, if one follows
   const FwdParams& p = args.p;
   const Plan& plan = args.plan;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t row = int64_t(blockIdx.x) * kCombineRowsPerCta + warp;
-  if (row >= plan.partial_rows) return;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t row = blockIdx.x;
   const int i = int(row % p.seqlen_q);
   const int head = int((row / p.seqlen_q) % p.heads_q);
   const int batch = int(row / (int64_t(p.seqlen_q) * p.heads_q));
   const float* max_partial = args.max_partial + row;  // split s at s * partial_rows
   const float* sum_partial = args.sum_partial + row;
-  float top = -INFINITY;
-  for (int s = lane; s < plan.splits; s += 32) top = fmaxf(top, max_partial[s * plan.partial_rows]);
-  for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
-  auto weight = [&](int s) {
-    const float m = max_partial[s * plan.partial_rows];
-    return m == -INFINITY ? 0.f : sum_partial[s * plan.partial_rows] * expf(m - top);
+  const int64_t split_stride = plan.partial_rows * p.head_dim;
+  const float* o_row = args.o_partial + row * p.head_dim;  // split s at s * split_stride
+
+  // 1. One round of loads: this warp's first splits at the first columns, this thread's first max and sum.
+  const int d0 = 4 * lane;
+  float4 early[kCombineEarly];
+#pragma unroll
+  for (int e = 0; e < kCombineEarly; ++e) {
+    const int split = warp + e * kCombineWarps;
+    early[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (split < plan.splits && d0 < p.head_dim) {
+      early[e] = *reinterpret_cast<const float4*>(o_row + split * split_stride + d0);
+    }
+  }
+  const float first_max = tid < plan.splits ? max_partial[tid * plan.partial_rows] : -INFINITY;
+  const float first_sum = tid < plan.splits ? sum_partial[tid * plan.partial_rows] : 0.f;
+
+  // 2. The row's max, then each split's weight and their total (both reduced over the CTA).
+  auto reduce = [&](float x, bool is_max) {
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const float y = __shfl_xor_sync(0xffffffffu, x, offset);
+      x = is_max ? fmaxf(x, y) : x + y;
+    }
+    if (lane == 0) warp_share[warp] = x;
+    __syncthreads();
+    x = warp_share[0];
+    for (int w = 1; w < kCombineWarps; ++w) x = is_max ? fmaxf(x, warp_share[w]) : x + warp_share[w];
+    __syncthreads();  // warp_share is reused
+    return x;
+  };
+  float top = first_max;
+  for (int split = tid + 32 * kCombineWarps; split < plan.splits; split += 32 * kCombineWarps) {
+    top = fmaxf(top, max_partial[split * plan.partial_rows]);
+  }
+  top = reduce(top, true);
+  auto weight_of = [&](float m, float z) { return m == -INFINITY ? 0.f : z * expf(m - top); };
+  auto weight = [&](int split) {
+    return weight_of(max_partial[split * plan.partial_rows], sum_partial[split * plan.partial_rows]);
   };
   float total = 0.f;
-  for (int s = lane; s < plan.splits; s += 32) {
-    const float w = weight(s);
-    if (s < kCombineMaxSplits) weights[warp][s] = w;
+  if (tid < plan.splits) {
+    const float w = weight_of(first_max, first_sum);
+    weights[tid] = w;  // 32 * kCombineWarps <= kCombineMaxSplits
     total += w;
   }
-  for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
-  __syncwarp();
+  for (int split = tid + 32 * kCombineWarps; split < plan.splits; split += 32 * kCombineWarps) {
+    const float w = weight(split);
+    if (split < kCombineMaxSplits) weights[split] = w;
+    total += w;
+  }
+  total = reduce(total, false);  // its barriers also publish the weights
 
+  // 3. Each warp's weighted sum of its splits, column group by column group, then the warps' sums added.
   const float2 finished = finish_row(top, total, p.sinks, head);
-  const float lse = finished.x, out_scale = total > 0.f ? finished.y / total : 0.f;
+  const float out_scale = total > 0.f ? finished.y / total : 0.f;
   T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride + int64_t(i) * p.o_row_stride;
-  for (int d = 4 * lane; d < p.head_dim; d += 128) {  // head_dim is a multiple of 8
+  for (int d = d0; d - d0 < p.head_dim; d += 128) {  // every warp runs the same passes (barriers below)
     float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (total > 0.f) {
-#pragma unroll 8
-      for (int s = 0; s < plan.splits; ++s) {
-        const float w = s < kCombineMaxSplits ? weights[warp][s] : weight(s);
-        const float4 o = *reinterpret_cast<const float4*>(args.o_partial + (s * plan.partial_rows + row) * p.head_dim + d);
+    if (total > 0.f && d < p.head_dim) {
+      int split = warp;
+      if (d == d0) {
+#pragma unroll
+        for (int e = 0; e < kCombineEarly; ++e, split += kCombineWarps) {
+          if (split < plan.splits) {
+            const float w = weights[split];
+            value.x += w * early[e].x, value.y += w * early[e].y, value.z += w * early[e].z, value.w += w * early[e].w;
+          }
+        }
+      }
+#pragma unroll 4
+      for (; split < plan.splits; split += kCombineWarps) {
+        const float w = split < kCombineMaxSplits ? weights[split] : weight(split);
+        const float4 o = *reinterpret_cast<const float4*>(o_row + split * split_stride + d);
         value.x += w * o.x, value.y += w * o.y, value.z += w * o.z, value.w += w * o.w;
       }
     }
-    out[d] = Element<Dt>::from_float(value.x * out_scale);
-    out[d + 1] = Element<Dt>::from_float(value.y * out_scale);
-    out[d + 2] = Element<Dt>::from_float(value.z * out_scale);
-    out[d + 3] = Element<Dt>::from_float(value.w * out_scale);
+    if (d < p.head_dim) partial[warp][d / 4] = value;
+    __syncthreads();
+    for (int c = tid; c < 128 && d - d0 + c < p.head_dim; c += 32 * kCombineWarps) {
+      const int column = d - d0 + c;
+      const float4& q = partial[0][column / 4];
+      float sum = (&q.x)[column % 4];
+      for (int w = 1; w < kCombineWarps; ++w) sum += (&partial[w][column / 4].x)[column % 4];
+      out[column] = Element<Dt>::from_float(sum * out_scale);
+    }
+    __syncthreads();  // partial is reused by the next pass
   }
-  if (lane == 0) p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + i] = lse;
+  if (tid == 0) p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + i] = finished.x;
 }
 
 // The SMs of the current device (asked once per device).
@@ -687,7 +744,8 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
   Args args{p, make_plan<HeadDim, Dt>(p), nullptr, nullptr, nullptr, softcap.in, softcap.out};
   const Plan& plan = args.plan;
   if (plan.workspace_bytes > 0 && workspace == nullptr) return cudaErrorInvalidValue;
-  if (plan.splits > kMaxGridDim || int64_t(p.batch) * p.heads_kv * plan.row_tiles > 0x7fffffff) {
+  if (plan.splits > kMaxGridDim || int64_t(p.batch) * p.heads_kv * plan.row_tiles > 0x7fffffff ||
+      plan.partial_rows > 0x7fffffff) {  // the combine's grid: a CTA per row
     return cudaErrorInvalidConfiguration;
   }
   if (plan.splits > 1) {
@@ -705,9 +763,9 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
   kernel<<<grid, Config<HeadDim>::kThreads, smem_bytes, stream>>>(args);
   err = cudaGetLastError();
   if (err != cudaSuccess || plan.splits == 1) return err;
-  const int64_t combine_ctas = (plan.partial_rows + kCombineRowsPerCta - 1) / kCombineRowsPerCta;
+  const int64_t combine_ctas = plan.partial_rows;
   return launch_after_prior_grid(&decode_combine_kernel<Dt>, dim3(unsigned(combine_ctas)),
-                                 dim3(32 * kCombineRowsPerCta), 0, stream, args);
+                                 dim3(32 * kCombineWarps), 0, stream, args);
 }
 
 }  // namespace fa2
