@@ -41,6 +41,7 @@ constexpr int kMaxBlocksPerSplit = 64;       // where blocks are scanned: a spli
 constexpr int kCombineWarps = 4;             // per output row (a CTA each), sharing its splits
 constexpr int kCombineEarly = 8;             // splits per warp whose first columns are loaded at entry
 constexpr int kCombineMaxSplits = 256;       // split weights a combining CTA keeps in shared memory
+static_assert(32 * kCombineWarps <= kCombineMaxSplits, "a combining thread's first split has its weight kept");
 constexpr float kLog2e = 1.4426950408889634f;
 
 // The warps split a block's keys 16 each (key groups: 4, a 64-key block; 2 from D = 192, 32-key blocks). Above
@@ -587,7 +588,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps) decode_combine_kernel(cons
   float total = 0.f;
   if (tid < plan.splits) {
     const float w = weight_of(first_max, first_sum);
-    weights[tid] = w;  // 32 * kCombineWarps <= kCombineMaxSplits
+    weights[tid] = w;
     total += w;
   }
   for (int split = tid + 32 * kCombineWarps; split < plan.splits; split += 32 * kCombineWarps) {
