@@ -180,7 +180,8 @@ def run_entry(entry: ZooEntry, device: torch.device, args, on_run: Callable[[Run
     family = FAMILIES[entry.family]
     for impl in (i for i in entry.impls if not args.impls or i in args.impls):
         torch.manual_seed(0)
-        model = family.build(entry.config, impl).to(device).eval()
+        with torch.device(device):  # initialised where it runs (bench_e2e.build_model says why)
+            model = family.build(entry.config, impl).eval()
         inputs = family.inputs(entry, model.config, device)
         with torch.no_grad():
             expected = _last_hidden(model(**inputs)).float()
