@@ -107,15 +107,8 @@ def _bound_max_jobs() -> None:
     os.environ["MAX_JOBS"] = str(max(1, min(os.cpu_count() or 1, int(mem_gib // GIB_PER_COMPILE_JOB))))
 
 
-def _host_cxx_standard() -> str:
-    """api.cpp includes torch, whose headers need C++20 from torch 2.14 on (C++17 before)."""
-    import torch
-
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    return "-std=c++20" if (major, minor) >= (2, 14) else "-std=c++17"
-
-
 def cuda_extension_kwargs() -> dict:
+    import torch
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     _bound_max_jobs()
@@ -137,7 +130,8 @@ def cuda_extension_kwargs() -> dict:
         name="fa2_inductor._C",
         sources=["csrc/api.cpp", *sources],
         include_dirs=[str(ROOT / "csrc"), *cutlass_include_dirs()],
-        extra_compile_args={"cxx": ["-O3", _host_cxx_standard()], "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": ["-O3", _kernel_table()["host_cxx_standard"](torch.__version__)],
+                            "nvcc": nvcc_flags},
     )
     print(f"fa2_inductor: building {len(sources)} kernel instantiations with MAX_JOBS={os.environ['MAX_JOBS']}")
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}

@@ -84,3 +84,10 @@ def binding_table(head_dims, dtypes) -> str:
     backward = "\n".join(f"FA2_BWD_ENTRY({d}, {DTYPES[name]})" for d, name in pairs if d in BACKWARD_HEAD_DIMS)
     return ("// Generated from csrc/kernel_table.py.\n#if defined(FA2_ENTRY)\n" + forward + "\n#endif\n"
             "#if defined(FA2_BWD_ENTRY)\n" + backward + "\n#endif\n")
+
+
+def host_cxx_standard(torch_version: str) -> str:
+    """The C++ standard of the host code (api.cpp includes torch, whose headers need C++20 from torch 2.14 on,
+    C++17 before)."""
+    major, minor = (int(part) for part in torch_version.split(".")[:2])
+    return "-std=c++20" if (major, minor) >= (2, 14) else "-std=c++17"

@@ -43,3 +43,9 @@ def test_the_default_build_and_the_backward_take_head_dims_the_table_knows(table
     assert max(table.DEFAULT_HEAD_DIMS) == max(table.HEAD_DIMS)  # every head dim has a kernel to run on
     units = table.compile_units([96], ["bf16"])  # a forward-only head dim: no backward units
     assert not any("_bwd_" in path for path in units) and any("hdim96_bf16_fwd_plain" in path for path in units)
+
+
+@pytest.mark.parametrize("version, standard", [("2.11.0+cu130", "-std=c++17"), ("2.13.0", "-std=c++17"),
+                                               ("2.14.1", "-std=c++20"), ("3.0.0", "-std=c++20")])
+def test_host_code_takes_the_standard_its_torch_headers_need(table, version, standard):
+    assert table.host_cxx_standard(version) == standard
