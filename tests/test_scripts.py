@@ -51,3 +51,16 @@ def test_hopper_check_writes_its_summary_where_there_is_no_gpu(tmp_path):
     summary = (results / "summary.md").read_text()
     assert "| stage | status | rc | wall s | result |" in summary and "| report | ok |" in summary
     assert (results / "results.md").read_text().startswith("# Measured results")
+
+
+def test_host_code_check_says_why_it_skips_a_cpu_torch():
+    """CI's torch is a CPU build: the check has no c10/cuda headers to compile against and says so, exit 0. With
+    a CUDA wheel (bash scripts/test_on_torch.sh 2.11.0) it compiles csrc/api.cpp."""
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("a CUDA build of torch: the check compiles, which test_on_torch.sh runs")
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_host_code.py")], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"skipped: torch {torch.__version__} is a CPU build (no c10/cuda headers)"
