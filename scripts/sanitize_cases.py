@@ -7,13 +7,16 @@ For each compiled head dim (bf16 only unless --all-dtypes): no mask and causal, 
 additive mask, with GQA (4 query heads on 2 KV heads), Sq = 200 and Sk = 135 (neither a multiple of a
 tile) and strided [B, S, H, D] inputs; then decode steps (the split-KV kernel): one and 5 query rows against
 135 keys (several splits, a combine) and 40 (one split), with no mask and a static cache's key mask (a
-filled prefix). Each call goes through the public op; the run fails if any call fell back to the reference
-(the kernel would not have been checked) or gave a non-finite output.
+filled prefix), and one query row against 4200 keys in one split (FA2_INDUCTOR_DECODE_SPLITS=1: an unmasked
+split walks 66 blocks, past one 64-block window; the masked call then takes the two splits its scan needs).
+Each call goes through the public op; the run fails if any call fell back to the reference (the kernel would
+not have been checked) or gave a non-finite output.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -24,7 +27,8 @@ from fa2_inductor import _extension
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BATCH, Q_HEADS, KV_HEADS, SEQ_Q, SEQ_K = 1, 4, 2, 200, 135
-DECODE_SHAPES = ((1, 135), (5, 135), (1, 40))  # (Sq, Sk): several splits and a combine; one split
+# (Sq, Sk, forced split count or None): several splits and a combine; one split; one split of 66 blocks
+DECODE_SHAPES = ((1, 135, None), (5, 135, None), (1, 40, None), (1, 4200, 1))
 
 
 def _bshd(seqlen: int, heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -40,16 +44,19 @@ def _masks(dtype: torch.dtype) -> dict:
 
 
 def _cases(head_dim: int, dtype: torch.dtype) -> list:
-    """(name, q, k, v, mask, is_causal) of every call to check at one head dim and dtype."""
+    """(name, q, k, v, mask, is_causal, forced decode splits or None) of every call to check at one head dim and
+    dtype."""
     q = _bshd(SEQ_Q, Q_HEADS, head_dim, dtype)
     k, v = (_bshd(SEQ_K, KV_HEADS, head_dim, dtype) for _ in range(2))
-    cases = [(name, q, k, v, mask, False) for name, mask in _masks(dtype).items()] + [("causal", q, k, v, None, True)]
-    for seq_q, seq_k in DECODE_SHAPES:
+    cases = [(name, q, k, v, mask, False, None) for name, mask in _masks(dtype).items()]
+    cases += [("causal", q, k, v, None, True, None)]
+    for seq_q, seq_k, splits in DECODE_SHAPES:
         dq = _bshd(seq_q, Q_HEADS, head_dim, dtype)
         dk, dv = (_bshd(seq_k, KV_HEADS, head_dim, dtype) for _ in range(2))
         filled = torch.arange(seq_k, device="cuda").view(1, 1, 1, seq_k) < seq_k * 2 // 3
-        cases += [(f"decode Sq={seq_q} Sk={seq_k}", dq, dk, dv, None, False),
-                  (f"decode Sq={seq_q} Sk={seq_k} static cache", dq, dk, dv, filled, False)]
+        named = f"decode Sq={seq_q} Sk={seq_k}" + (f" splits={splits}" if splits else "")
+        cases += [(named, dq, dk, dv, None, False, splits),
+                  (f"{named} static cache", dq, dk, dv, filled, False, splits)]
     return cases
 
 
@@ -65,9 +72,15 @@ def main() -> int:
     for head_dim, dtype_name in sorted(_extension.C.compiled_kernels()):
         if dtype_name != "bf16" and not args.all_dtypes:
             continue
-        for name, q, k, v, mask, causal in _cases(head_dim, DTYPES[dtype_name]):
+        for name, q, k, v, mask, causal, splits in _cases(head_dim, DTYPES[dtype_name]):
             counters.clear()
-            out, _ = op(q, k, v, mask, head_dim**-0.5, causal)
+            if splits:
+                os.environ["FA2_INDUCTOR_DECODE_SPLITS"] = str(splits)
+            try:
+                out, _ = op(q, k, v, mask, head_dim**-0.5, causal)
+            finally:
+                if splits:
+                    del os.environ["FA2_INDUCTOR_DECODE_SPLITS"]
             torch.cuda.synchronize()
             fallbacks = {key: n for key, n in counters["fa2_inductor"].items() if key.startswith("reference_fallback")}
             finite = bool(out.isfinite().all())

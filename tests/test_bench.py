@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -119,6 +120,9 @@ def test_flags_are_parsed():
         ["--decode", "--contexts", "0"],
         ["--decode", "--batches", "-1"],
         ["--decode", "--peers", "sdpa_magic"],
+        ["--decode", "--splits", "0"],
+        ["--splits", "2"],
+        ["--profile", "p.txt"],
     ],
 )
 def test_bad_arguments_are_refused(argv, capsys):
@@ -475,14 +479,28 @@ def test_mask_modes_default_to_their_own_seqlens():
     assert bench.parse_args(["--device", "cuda", "--masks", "--seqlens", "512"]).seqlens == [512]
 
 
+def test_decode_split_rows_force_the_count_only_around_their_call(monkeypatch):
+    from fa2_inductor.bench import decode
+
+    seen = []
+    monkeypatch.setattr(decode, "_ours", lambda *inputs: seen.append(os.environ.get(decode.SPLITS_VARIABLE)))
+    monkeypatch.delenv(decode.SPLITS_VARIABLE, raising=False)
+    decode._ours_with_splits(4)(None, None, None, None)
+    assert seen == ["4"] and decode.SPLITS_VARIABLE not in os.environ
+    monkeypatch.setenv(decode.SPLITS_VARIABLE, "2")
+    decode._ours_with_splits(8)(None, None, None, None)
+    assert seen == ["4", "8"] and os.environ[decode.SPLITS_VARIABLE] == "2"
+
+
 def test_decode_cells_and_peers_default_to_the_full_table():
     from fa2_inductor.bench import decode
 
     args = bench.parse_args(["--device", "cuda", "--decode"])
     assert (args.contexts, args.batches, args.peers) == (list(decode.CONTEXTS), list(decode.BATCHES), list(decode.PEERS))
+    assert args.splits == []
     chosen = bench.parse_args(["--device", "cuda", "--decode", "--contexts", "2048", "--batches", "1", "8",
-                               "--peers", "sdpa_cudnn"])
-    assert (chosen.contexts, chosen.batches, chosen.peers) == ([2048], [1, 8], ["sdpa_cudnn"])
+                               "--peers", "sdpa_cudnn", "--splits", "1", "4"])
+    assert (chosen.contexts, chosen.batches, chosen.peers, chosen.splits) == ([2048], [1, 8], ["sdpa_cudnn"], [1, 4])
 
 
 def _visible_pairs(seqlen, lengths, window=None, causal=True):

@@ -13,13 +13,15 @@
 //   ldmatrix; K/V blocks in kStages cp.async stages), then merge their rows in shared memory;
 // - before its loop a CTA finds which of its key blocks any of its rows sees (mask, causal/window, Sk)
 //   and only loads those: the unfilled slots of a static KV cache (masked keys) cost a mask read, not a
-//   K/V read.
+//   K/V read; a call with no mask, causal or window visits all its blocks in order, with no scan and no
+//   limit on how many a split holds (at batch 32 one split per tile, no combine).
 // Decode is bound by K/V bandwidth, so the warp-level MMAs (not WGMMA) cost nothing that shows.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -35,9 +37,11 @@ namespace decode {
 
 constexpr int kRows = 16;                    // packed query rows per CTA (one m16 tile)
 constexpr int kStages = 3;                   // K/V blocks in flight per CTA
-constexpr int kMaxBlocksPerSplit = 64;       // a split's visible-block set is one 64-bit word
-constexpr int kCombineRowsPerCta = 4;        // one warp per output row
-constexpr int kCombineMaxSplits = 256;       // split weights a combining warp keeps in shared memory
+constexpr int kMaxBlocksPerSplit = 64;       // where blocks are scanned: a split's visible-block set is one word
+constexpr int kCombineWarps = 4;             // per output row (a CTA each), sharing its splits
+constexpr int kCombineEarly = 8;             // splits per warp whose first columns are loaded at entry
+constexpr int kCombineMaxSplits = 256;       // split weights a combining CTA keeps in shared memory
+static_assert(32 * kCombineWarps <= kCombineMaxSplits, "a combining thread's first split has its weight kept");
 constexpr float kLog2e = 1.4426950408889634f;
 
 // The warps split a block's keys 16 each (key groups: 4, a 64-key block; 2 from D = 192, 32-key blocks). Above
@@ -135,7 +139,7 @@ struct Plan {
   int groups = 1;            // query heads per KV head
   int row_tiles = 1;         // 16-row tiles per (batch, KV head)
   int num_blocks = 0;        // blocks of Config::kBlockN keys
-  int splits = 1;             // each takes at most kMaxBlocksPerSplit blocks (dealt out: see the split kernel)
+  int splits = 1;             // blocks dealt out (see the split kernel), at most kMaxBlocksPerSplit each where scanned
   int64_t partial_rows = 0;  // B * Hq * Sq
   int64_t workspace_bytes = 0;
 };
@@ -161,6 +165,12 @@ struct Smem {
                     Config<HeadDim>::kKeyGroups * kRows * HeadDim * int(sizeof(float)),
                 "the key groups' partial rows must fit in the K/V stages");
 };
+
+// A call without a mask, causal or window sees every key: its splits visit each of their blocks in order, with no
+// scan and so no limit on their number; the others scan their blocks into a 64-bit set first.
+__host__ __device__ __forceinline__ bool sees_every_block(const FwdParams& p) {
+  return p.mask == nullptr && !p.causal && p.window_left < 0;
+}
 
 // A packed row of the tile: whether it is a row of the call, its query position and its mask row.
 struct RowView {
@@ -271,10 +281,12 @@ __global__ void __launch_bounds__(Config<HeadDim>::kThreads) decode_split_kernel
   auto key_block = [&](int local) { return first + local * stride; };
 
   // 1. The blocks of this split that some row of the tile sees, and those where the mask hides a key that the
-  // positions leave visible (elsewhere a bool mask's bits need not be read again).
-  if (tid == 0) visible_blocks = masked_blocks = 0ull;
-  __syncthreads();
-  {
+  // positions leave visible (elsewhere a bool mask's bits need not be read again). A call that sees every block
+  // (each holds a key below Sk) skips the scan: its loads start at once.
+  const bool every_block = sees_every_block(p);
+  if (!every_block) {
+    if (tid == 0) visible_blocks = masked_blocks = 0ull;
+    __syncthreads();
     unsigned long long mine = 0ull, hidden = 0ull;
     if (p.mask != nullptr) {
       // With a mask shared by the heads, a row's visibility depends on its query position only: the tile's
@@ -310,8 +322,13 @@ __global__ void __launch_bounds__(Config<HeadDim>::kThreads) decode_split_kernel
     cp_async_16(smem_address(q_smem + r * kPitch + c * 8), valid ? q_row_ptr(r) + c * 8 : p.q, valid);
   }
   cp_async_commit();
-  __syncthreads();
-  unsigned long long todo = visible_blocks;
+  if (!every_block) __syncthreads();  // the scan's result
+  // The blocks still to visit, as bits of a 64-block window from window_base: a scanned split has one window
+  // (its visible set), a split that sees every block one full window after the other.
+  auto window_of = [&](int base) { return num_blocks - base >= 64 ? ~0ull : (1ull << (num_blocks - base)) - 1; };
+  int window_base = 0;
+  unsigned long long todo = every_block ? window_of(0) : visible_blocks;
+  static_assert(kMaxBlocksPerSplit == 64, "a scanned split's blocks are the bits of one 64-bit word");
 
   auto load_block = [&](int stage, int block) {
     T* k_dst = stage_smem + stage * S::kStageElems;
@@ -329,10 +346,14 @@ __global__ void __launch_bounds__(Config<HeadDim>::kThreads) decode_split_kernel
     }
   };
   auto next_block = [&]() {
-    if (todo == 0ull) return -1;
+    if (todo == 0ull) {
+      if (!every_block || window_base + 64 >= num_blocks) return -1;
+      window_base += 64;
+      todo = window_of(window_base);
+    }
     const int b = __ffsll(static_cast<long long>(todo)) - 1;
     todo &= todo - 1;
-    return b;
+    return window_base + b;
   };
 
   // The blocks in the stages, in visiting order: in_flight[0] is computed next, from stage `stage`.
@@ -363,7 +384,8 @@ __global__ void __launch_bounds__(Config<HeadDim>::kThreads) decode_split_kernel
     // Visibility and mask terms first: their loads are in flight while the MMAs run. A float mask's values
     // are always read; a bool mask's only in blocks where it hides a key.
     const int key0 = key_block(block) * kBlockN + group * 16;
-    const bool read_mask_here = p.mask_dtype != MaskDType::kBool || (masked_blocks >> block & 1ull);
+    const bool read_mask_here =
+        p.mask != nullptr && (p.mask_dtype != MaskDType::kBool || (masked_blocks >> block & 1ull));
     bool visible[2][4];
     float bias[2][4];
 #pragma unroll
@@ -503,59 +525,115 @@ __global__ void __launch_bounds__(Config<HeadDim>::kThreads) decode_split_kernel
 }
 
 // out and lse from the splits' partial rows: weights sum_s * exp(max_s - max), then the sink (if any) joins the row.
-// One warp per row: the lanes share the splits for the weights, then 4 columns each, the splits' loads of a
-// column group independent of each other.
+// A CTA per row, its warps sharing the splits (split s to warp s % kCombineWarps), each lane 4 columns: the first
+// kCombineEarly splits of a warp are loaded at entry, beside the maxima and sums, so a row of up to
+// kCombineWarps * kCombineEarly splits costs one round of loads rather than one per split group; the warps' sums
+// are added in shared memory in a fixed order.
 template <DType Dt>
-__global__ void __launch_bounds__(32 * kCombineRowsPerCta) decode_combine_kernel(const Args args) {
+__global__ void __launch_bounds__(32 * kCombineWarps) decode_combine_kernel(const Args args) {
   using T = typename Element<Dt>::T;
-  __shared__ float weights[kCombineRowsPerCta][kCombineMaxSplits];
+  __shared__ float weights[kCombineMaxSplits];
+  __shared__ float warp_share[kCombineWarps];
+  __shared__ float4 partial[kCombineWarps][kMaxHeadDim / 4];
   wait_for_prior_grid();  // the split kernel's partial rows (pdl.hpp)
   allow_dependent_grid();  // the empty-row pass, if one follows
   const FwdParams& p = args.p;
   const Plan& plan = args.plan;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t row = int64_t(blockIdx.x) * kCombineRowsPerCta + warp;
-  if (row >= plan.partial_rows) return;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t row = blockIdx.x;
   const int i = int(row % p.seqlen_q);
   const int head = int((row / p.seqlen_q) % p.heads_q);
   const int batch = int(row / (int64_t(p.seqlen_q) * p.heads_q));
   const float* max_partial = args.max_partial + row;  // split s at s * partial_rows
   const float* sum_partial = args.sum_partial + row;
-  float top = -INFINITY;
-  for (int s = lane; s < plan.splits; s += 32) top = fmaxf(top, max_partial[s * plan.partial_rows]);
-  for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
-  auto weight = [&](int s) {
-    const float m = max_partial[s * plan.partial_rows];
-    return m == -INFINITY ? 0.f : sum_partial[s * plan.partial_rows] * expf(m - top);
+  const int64_t split_stride = plan.partial_rows * p.head_dim;
+  const float* o_row = args.o_partial + row * p.head_dim;  // split s at s * split_stride
+
+  // 1. One round of loads: this warp's first splits at the first columns, this thread's first max and sum.
+  const int d0 = 4 * lane;
+  float4 early[kCombineEarly];
+#pragma unroll
+  for (int e = 0; e < kCombineEarly; ++e) {
+    const int split = warp + e * kCombineWarps;
+    early[e] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (split < plan.splits && d0 < p.head_dim) {
+      early[e] = *reinterpret_cast<const float4*>(o_row + split * split_stride + d0);
+    }
+  }
+  const float first_max = tid < plan.splits ? max_partial[tid * plan.partial_rows] : -INFINITY;
+  const float first_sum = tid < plan.splits ? sum_partial[tid * plan.partial_rows] : 0.f;
+
+  // 2. The row's max, then each split's weight and their total (both reduced over the CTA).
+  auto reduce = [&](float x, bool is_max) {
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const float y = __shfl_xor_sync(0xffffffffu, x, offset);
+      x = is_max ? fmaxf(x, y) : x + y;
+    }
+    if (lane == 0) warp_share[warp] = x;
+    __syncthreads();
+    x = warp_share[0];
+    for (int w = 1; w < kCombineWarps; ++w) x = is_max ? fmaxf(x, warp_share[w]) : x + warp_share[w];
+    __syncthreads();  // warp_share is reused
+    return x;
+  };
+  float top = first_max;
+  for (int split = tid + 32 * kCombineWarps; split < plan.splits; split += 32 * kCombineWarps) {
+    top = fmaxf(top, max_partial[split * plan.partial_rows]);
+  }
+  top = reduce(top, true);
+  auto weight_of = [&](float m, float z) { return m == -INFINITY ? 0.f : z * expf(m - top); };
+  auto weight = [&](int split) {
+    return weight_of(max_partial[split * plan.partial_rows], sum_partial[split * plan.partial_rows]);
   };
   float total = 0.f;
-  for (int s = lane; s < plan.splits; s += 32) {
-    const float w = weight(s);
-    if (s < kCombineMaxSplits) weights[warp][s] = w;
+  if (tid < plan.splits) {
+    const float w = weight_of(first_max, first_sum);
+    weights[tid] = w;
     total += w;
   }
-  for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
-  __syncwarp();
+  for (int split = tid + 32 * kCombineWarps; split < plan.splits; split += 32 * kCombineWarps) {
+    const float w = weight(split);
+    if (split < kCombineMaxSplits) weights[split] = w;
+    total += w;
+  }
+  total = reduce(total, false);  // its barriers also publish the weights
 
+  // 3. Each warp's weighted sum of its splits, column group by column group, then the warps' sums added.
   const float2 finished = finish_row(top, total, p.sinks, head);
-  const float lse = finished.x, out_scale = total > 0.f ? finished.y / total : 0.f;
+  const float out_scale = total > 0.f ? finished.y / total : 0.f;
   T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride + int64_t(i) * p.o_row_stride;
-  for (int d = 4 * lane; d < p.head_dim; d += 128) {  // head_dim is a multiple of 8
+  for (int d = d0; d - d0 < p.head_dim; d += 128) {  // every warp runs the same passes (barriers below)
     float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (total > 0.f) {
-#pragma unroll 8
-      for (int s = 0; s < plan.splits; ++s) {
-        const float w = s < kCombineMaxSplits ? weights[warp][s] : weight(s);
-        const float4 o = *reinterpret_cast<const float4*>(args.o_partial + (s * plan.partial_rows + row) * p.head_dim + d);
+    if (total > 0.f && d < p.head_dim) {
+      int split = warp;
+      if (d == d0) {
+#pragma unroll
+        for (int e = 0; e < kCombineEarly; ++e, split += kCombineWarps) {
+          if (split < plan.splits) {
+            const float w = weights[split];
+            value.x += w * early[e].x, value.y += w * early[e].y, value.z += w * early[e].z, value.w += w * early[e].w;
+          }
+        }
+      }
+#pragma unroll 4
+      for (; split < plan.splits; split += kCombineWarps) {
+        const float w = split < kCombineMaxSplits ? weights[split] : weight(split);
+        const float4 o = *reinterpret_cast<const float4*>(o_row + split * split_stride + d);
         value.x += w * o.x, value.y += w * o.y, value.z += w * o.z, value.w += w * o.w;
       }
     }
-    out[d] = Element<Dt>::from_float(value.x * out_scale);
-    out[d + 1] = Element<Dt>::from_float(value.y * out_scale);
-    out[d + 2] = Element<Dt>::from_float(value.z * out_scale);
-    out[d + 3] = Element<Dt>::from_float(value.w * out_scale);
+    if (d < p.head_dim) partial[warp][d / 4] = value;
+    __syncthreads();
+    for (int c = tid; c < 128 && d - d0 + c < p.head_dim; c += 32 * kCombineWarps) {
+      const int column = d - d0 + c;
+      const float4& q = partial[0][column / 4];
+      float sum = (&q.x)[column % 4];
+      for (int w = 1; w < kCombineWarps; ++w) sum += (&partial[w][column / 4].x)[column % 4];
+      out[column] = Element<Dt>::from_float(sum * out_scale);
+    }
+    __syncthreads();  // partial is reused by the next pass
   }
-  if (lane == 0) p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + i] = lse;
+  if (tid == 0) p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + i] = finished.x;
 }
 
 // The SMs of the current device (asked once per device).
@@ -590,26 +668,42 @@ int resident_ctas_per_sm() {
   return counts[device];
 }
 
+// At least `fewest` splits, at most one per block, and no split left empty (blocks per split rounded up).
+inline int whole_splits(int wanted, int num_blocks, int max_blocks_per_split) {
+  const int fewest = std::max(1, (num_blocks + max_blocks_per_split - 1) / max_blocks_per_split);
+  wanted = std::max(fewest, std::min(wanted, std::max(1, num_blocks)));
+  const int blocks_per_split = (num_blocks + wanted - 1) / wanted;
+  return std::max(1, (num_blocks + blocks_per_split - 1) / blocks_per_split);
+}
+
 // How many splits the keys of `num_blocks` blocks get when each split launches `ctas` CTAs and `slots` CTAs
 // run at once. The time is about (waves of CTAs) x (blocks per CTA + one block's worth of fixed cost: the
 // CTA's prologue and its rows in the combine), so a last wave that fills a few SMs costs a whole wave:
 // e.g. 64 CTAs per split on 264 slots take 4 splits (one wave), not 5 (two). The fewest splits of the
-// cheapest count win; a split holds at most kMaxBlocksPerSplit blocks; more splits than fill two waves
-// never pay.
-inline int choose_splits(int64_t ctas, int num_blocks, int64_t slots) {
-  const int fewest = std::max(1, (num_blocks + kMaxBlocksPerSplit - 1) / kMaxBlocksPerSplit);
+// cheapest count win; a split holds at most max_blocks_per_split blocks (kMaxBlocksPerSplit where they are
+// scanned); more splits than fill two waves never pay.
+inline int choose_splits(int64_t ctas, int num_blocks, int64_t slots, int max_blocks_per_split) {
+  const int fewest = std::max(1, (num_blocks + max_blocks_per_split - 1) / max_blocks_per_split);
   const int64_t two_waves = (2 * slots + ctas - 1) / ctas;
   const int most = int(std::max<int64_t>(fewest, std::min<int64_t>(num_blocks, two_waves)));
   int best = fewest;
   int64_t best_cost = INT64_MAX;
   for (int wanted = fewest; wanted <= most; ++wanted) {
-    const int blocks_per_split = (num_blocks + wanted - 1) / wanted;
-    const int splits = (num_blocks + blocks_per_split - 1) / blocks_per_split;  // none left empty
+    const int splits = whole_splits(wanted, num_blocks, max_blocks_per_split);
+    const int blocks_per_split = (num_blocks + splits - 1) / splits;
     const int64_t waves = (ctas * splits + slots - 1) / slots;
     const int64_t cost = waves * (blocks_per_split + 1);
     if (cost < best_cost) best = splits, best_cost = cost;
   }
   return best;
+}
+
+// FA2_INDUCTOR_DECODE_SPLITS=n (a tuning knob, read at each call so that one process can time several): n splits
+// instead of choose_splits' count, within what a plan allows (enough for a split's block limit, at most one per
+// block), to time the curve that choose_splits models. Unset or 0: the planned count.
+inline int forced_splits() {
+  const char* value = std::getenv("FA2_INDUCTOR_DECODE_SPLITS");
+  return value == nullptr ? 0 : std::max(0, std::atoi(value));
 }
 
 template <int HeadDim, DType Dt>
@@ -621,7 +715,10 @@ Plan make_plan(const FwdParams& p) {
   plan.num_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
   const int64_t ctas = int64_t(p.batch) * p.heads_kv * plan.row_tiles;
   const int64_t slots = int64_t(sm_count()) * resident_ctas_per_sm<HeadDim, Dt>();
-  plan.splits = choose_splits(ctas, plan.num_blocks, slots);
+  const int forced = forced_splits();
+  const int max_blocks_per_split = sees_every_block(p) ? std::max(1, plan.num_blocks) : kMaxBlocksPerSplit;
+  plan.splits = forced > 0 ? whole_splits(forced, plan.num_blocks, max_blocks_per_split)
+                           : choose_splits(ctas, plan.num_blocks, slots, max_blocks_per_split);
   plan.partial_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   // One split writes out and lse itself: partial rows only for the combine.
   const int64_t floats = plan.splits == 1 ? 0 : int64_t(plan.splits) * plan.partial_rows * (p.head_dim + 2);
@@ -648,7 +745,8 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
   Args args{p, make_plan<HeadDim, Dt>(p), nullptr, nullptr, nullptr, softcap.in, softcap.out};
   const Plan& plan = args.plan;
   if (plan.workspace_bytes > 0 && workspace == nullptr) return cudaErrorInvalidValue;
-  if (plan.splits > kMaxGridDim || int64_t(p.batch) * p.heads_kv * plan.row_tiles > 0x7fffffff) {
+  if (plan.splits > kMaxGridDim || int64_t(p.batch) * p.heads_kv * plan.row_tiles > 0x7fffffff ||
+      plan.partial_rows > 0x7fffffff) {  // the combine's grid: a CTA per row
     return cudaErrorInvalidConfiguration;
   }
   if (plan.splits > 1) {
@@ -666,9 +764,9 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
   kernel<<<grid, Config<HeadDim>::kThreads, smem_bytes, stream>>>(args);
   err = cudaGetLastError();
   if (err != cudaSuccess || plan.splits == 1) return err;
-  const int64_t combine_ctas = (plan.partial_rows + kCombineRowsPerCta - 1) / kCombineRowsPerCta;
+  const int64_t combine_ctas = plan.partial_rows;
   return launch_after_prior_grid(&decode_combine_kernel<Dt>, dim3(unsigned(combine_ctas)),
-                                 dim3(32 * kCombineRowsPerCta), 0, stream, args);
+                                 dim3(32 * kCombineWarps), 0, stream, args);
 }
 
 }  // namespace fa2

@@ -123,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="--decode: the batch sizes (default %(default)s)")
     parser.add_argument("--peers", nargs="+", choices=list(DECODE_PEERS), default=list(DECODE_PEERS),
                         help="--decode: the SDPA backends timed beside the op (default %(default)s)")
+    parser.add_argument("--splits", type=int, nargs="+", default=[], metavar="N",
+                        help="--decode: also time the op with its key split count forced to each N (the kernel's "
+                        "FA2_INDUCTOR_DECODE_SPLITS), in the same turns")
     parser.add_argument(
         "--profile", type=Path, metavar="TXT",
         help="--decode: each cell's calls once more under torch.profiler (10 calls each), the kernels' times "
@@ -163,8 +166,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if min(args.seqlens) < 1 or args.tokens < 1 or args.hidden < 1:
         parser.error("seqlens, --tokens and --hidden must be positive")
-    if min(args.contexts) < 1 or min(args.batches) < 1:
-        parser.error("--contexts and --batches must be positive")
+    if min(args.contexts) < 1 or min(args.batches) < 1 or min(args.splits, default=1) < 1:
+        parser.error("--contexts, --batches and --splits must be positive")
+    if not args.decode and (args.profile or args.splits):
+        parser.error("--profile and --splits are --decode options")
     if not all(1 <= d <= 256 for d in args.head_dims):
         parser.error("head dims must be between 1 and 256")
     if args.warmup < 0 or args.reps < 1:

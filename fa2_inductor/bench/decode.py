@@ -7,12 +7,15 @@ decode step takes in transformers:
   [B, 1, 1, slots] that hides the rest (StaticCache, what ``generate()`` compiles with).
 Decode reads each K/V element once, so besides microseconds per call the table gives the bandwidth of the K/V
 bytes the step must read (the filled slots). A peer that cannot run a form (flash takes no mask) is left out of
-that row; one that takes no GQA runs on repeated K/V, as transformers calls it. Each output is checked against the math backend before timing; input sets rotate past the L2 cache.
+that row; one that takes no GQA runs on repeated K/V, as transformers calls it. ``--splits N ...`` adds our op with
+its key split count forced to each N, timed in the same turns (the split planner's choices against the curve).
+Each output is checked against the math backend before timing; input sets rotate past the L2 cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import warnings
 
 import torch
@@ -30,6 +33,7 @@ HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 STATIC_CACHE_LEN = 32768
 DTYPE = torch.bfloat16
 L2_BYTES = 50 * 2**20
+SPLITS_VARIABLE = "FA2_INDUCTOR_DECODE_SPLITS"
 PROFILED_CALLS = 10  # --profile: per implementation and cell, so that each kernel's average is over several calls
 PEERS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
@@ -52,6 +56,21 @@ def _inputs(batch: int, slots: int, context: int, static: bool, device, generato
 
 def _ours(q, k, v, mask):
     return torch.ops.fa2_inductor.flash_attention_fwd(q, k, v, mask, HEAD_DIM ** -0.5, False)[0]
+
+
+def _ours_with_splits(splits: int):
+    """``_ours`` with its key split count forced (the kernel reads SPLITS_VARIABLE at each call)."""
+    def call(q, k, v, mask):
+        before = os.environ.get(SPLITS_VARIABLE)
+        os.environ[SPLITS_VARIABLE] = str(splits)
+        try:
+            return _ours(q, k, v, mask)
+        finally:
+            if before is None:
+                del os.environ[SPLITS_VARIABLE]
+            else:
+                os.environ[SPLITS_VARIABLE] = before
+    return call
 
 
 def _peer_forms(backend: SDPBackend) -> tuple:
@@ -99,12 +118,15 @@ def decode_rows(args: argparse.Namespace) -> int:
     env = environment(device)
     print(environment_line(env))
     reps, warmup = max(args.reps, 20), max(args.warmup, 5)
-    impls = {"fa2_inductor": (_ours,), **{name: _peer_forms(PEERS[name]) for name in args.peers}}
+    impls = {"fa2_inductor": (_ours,), **{f"fa2_inductor splits={n}": (_ours_with_splits(n),) for n in args.splits},
+             **{name: _peer_forms(PEERS[name]) for name in args.peers}}
     records, failed = [], False
     if args.profile:
         args.profile.write_text(f"{PROFILED_CALLS} calls of each implementation per cell under torch.profiler, "
                                 "after the timing\n")
-    print(f"{'form':<8}{'ctx':>6}{'B':>4}" + "".join(f"{name:>16}" for name in impls) + "   best peer / ours  ours GB/s")
+    widths = {name: max(16, len(name) + 2) for name in impls}
+    print(f"{'form':<8}{'ctx':>6}{'B':>4}" + "".join(f"{name:>{widths[name]}}" for name in impls)
+          + "   best peer / ours  ours GB/s")
     for form in ("dynamic", "static"):
         for context in args.contexts:
             for batch in args.batches:
@@ -121,20 +143,20 @@ def decode_rows(args: argparse.Namespace) -> int:
                         continue
                     if (got.float() - expected).abs().max().item() > 2e-2:
                         print(f"{form} ctx={context} B={batch} {name}: WRONG against the math backend")
-                        failed |= name == "fa2_inductor"
+                        failed |= name.startswith("fa2_inductor")
                         continue
                     checked[name] = fn
                 us = {}
                 for name, ms in medians_in_turns(checked, sets, device, warmup=warmup, reps=reps).items():
                     if isinstance(ms, Exception):
                         print(f"{form} ctx={context} B={batch} {name}: {describe_exception(ms)}")
-                        failed |= name == "fa2_inductor"
+                        failed |= name.startswith("fa2_inductor")
                     else:
                         us[name] = 1e3 * ms
                 if args.profile:
                     profile_calls(args.profile, {name: _repeated(fn, sets) for name, fn in checked.items()},
                                   f"{form} ctx={context} B={batch}", device)
-                peers = {name: t for name, t in us.items() if name != "fa2_inductor"}
+                peers = {name: t for name, t in us.items() if name in PEERS}
                 best = min(peers, key=peers.get) if peers else None
                 read_bytes = 2 * batch * HEADS_KV * context * HEAD_DIM * DTYPE.itemsize
                 record = {"form": form, "context": context, "batch": batch, "slots": slots, "us": us,
@@ -142,7 +164,8 @@ def decode_rows(args: argparse.Namespace) -> int:
                           "speedup_vs_best": peers[best] / us["fa2_inductor"] if best and "fa2_inductor" in us else None,
                           "ours_gbps": read_bytes / (us["fa2_inductor"] * 1e-6) / 1e9 if "fa2_inductor" in us else None}
                 records.append(record)
-                cells = "".join(f"{us[name]:>16.1f}" if name in us else f"{'-':>16}" for name in impls)
+                cells = "".join(f"{us[name]:>{widths[name]}.1f}" if name in us else f"{'-':>{widths[name]}}"
+                                for name in impls)
                 ratio = f"{record['speedup_vs_best']:.2f}x ({best})" if record["speedup_vs_best"] else "-"
                 gbps = f"{record['ours_gbps']:.0f}" if record["ours_gbps"] else "-"
                 print(f"{form:<8}{context:>6}{batch:>4}{cells}   {ratio:<18}{gbps:>8}")

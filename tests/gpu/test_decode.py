@@ -1,10 +1,11 @@
 """The split-KV decode kernel (calls with at most 16 query rows): numerics against the float64 reference with
 FlashAttention's 2x rule into NaN-poisoned outputs, over head dims (padded ones too), dtypes, GQA groups packed
-into one tile (Hq/Hkv 1, 4, 8), odd key counts up to 65537 (more blocks than one split holds), causal and
+into one tile (Hq/Hkv 1, 4, 8), odd key counts up to 65537 (more blocks than a scanned split holds), causal and
 window positions, masks as Hugging Face passes them during generation (a static cache with unfilled slots: bool,
 -inf and finfo.min fills), fully masked rows, softcap and sinks, strided inputs; the op end to end with no
-reference fallback and its empty-row policies; bit-identical repeats; CUDA graph capture. Skipped unless an
-sm_90 GPU and fa2_inductor._C exist.
+reference fallback and its empty-row policies; one split walking 128 unmasked blocks; split counts forced by
+FA2_INDUCTOR_DECODE_SPLITS; bit-identical repeats; CUDA graph capture. Skipped unless an sm_90 GPU and
+fa2_inductor._C exist.
 """
 
 from __future__ import annotations
@@ -95,9 +96,12 @@ def test_one_split_writes_out_and_lse_itself():
 
 
 def test_more_blocks_than_one_split_holds():
+    """1025 blocks: unmasked, and with a mask whose blocks a split scans into a 64-bit set (at least 17 splits)."""
     needs_kernel(128, "bf16")
     q, k, v = make_qkv(1, 8, 1, 1, 65537, 128, torch.bfloat16, seed=3)
     check_forward(q, k, v, False, 0.0, None)
+    keep = torch.rand(1, 1, 1, 65537, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1)) > 0.1
+    check_forward(q, k, v, False, 0.0, None, keep)
 
 
 @pytest.mark.parametrize("variant", ["window", "bool_causal", "additive_causal", "softcap", "sinks", "empty_rows"])
@@ -138,6 +142,26 @@ def test_the_op_runs_decode_steps_on_the_kernel(policy, fresh_counters):
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     assert (lse.double() - ref_lse)[finite].abs().max().item() < 1e-2
+
+
+@pytest.mark.parametrize("splits", [1, 3, 1000])
+def test_forced_split_counts_keep_the_answer(splits, monkeypatch):
+    """FA2_INDUCTOR_DECODE_SPLITS (a tuning knob, read at each call) within the plan's bounds, over 79 blocks
+    (5000 keys): unmasked, 1 split walks all 79 (two 64-block windows); with a static cache's mask (filled to 70
+    of the 5000 slots) the blocks are scanned into a 64-bit set, so 1 becomes 2; 1000 is one split per block."""
+    needs_kernel(128, "bf16")
+    monkeypatch.setenv("FA2_INDUCTOR_DECODE_SPLITS", str(splits))
+    q, k, v = make_qkv(2, 32, 8, 1, 5000, 128, torch.bfloat16, seed=4)
+    check_forward(q, k, v, False, 0.0, None)
+    check_forward(q, k, v, False, 0.0, None, static_cache_mask(2, 1, 5000, [70, 5000], "bool"))
+
+
+def test_a_full_batch_walks_every_block_in_one_split():
+    """32 x 8 KV heads fill the GPU's CTA slots, so 8192 unmasked keys (128 blocks) are planned as one split per
+    tile: no combine, the blocks visited 64 at a time."""
+    needs_kernel(128, "bf16")
+    q, k, v = make_qkv(32, 8, 8, 1, 8192, 128, torch.bfloat16, seed=21)
+    check_forward(q, k, v, False, 0.0, None)
 
 
 def test_repeats_are_bit_identical():

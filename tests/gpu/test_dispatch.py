@@ -477,3 +477,35 @@ def test_flash_backward_through_the_cpp_path_takes_a_window_and_sinks(monkeypatc
     torch.testing.assert_close(dsinks, _cuda.sinks_gradient(g, out, lse, sinks))
     assert dmask.numel() == 0 and dsinks.shape == sinks.shape
     assert dict(fresh_counters) == {f"backward_fallback:{reason}": 1}
+
+
+# The flash-backward rule has two owners by necessity: Python (installs without the extension) and C++ (calls
+# without Python). With our backward kernel off, a call that the C++ path sends to the reference must be one
+# that Python's rule refuses, and the other way round.
+FLASH_RULE_CASES = {
+    "plain": {},
+    "causal": {"is_causal": True},
+    "causal_window": {"is_causal": True, "window_left": 16},
+    "causal_sq_ne_sk": {"is_causal": True, "sk": 300},
+    "sq_ne_sk": {"sk": 300},
+    "softcap": {"softcap": 5.0},
+    "bool_mask": {"mask": True},
+    "fp16": {"dtype": torch.float16},
+}
+
+
+@pytest.mark.parametrize("name", list(FLASH_RULE_CASES))
+def test_the_cpp_and_python_flash_backward_rules_agree(name, monkeypatch, fresh_counters):
+    case = FLASH_RULE_CASES[name]
+    monkeypatch.setenv("FA2_INDUCTOR_DISABLE_BACKWARD_KERNEL", "1")
+    dtype = case.get("dtype", DTYPES[DT])
+    q, k, v = make_qkv(1, 4, 2, 200, case.get("sk", 200), D, dtype, seed=13)
+    is_causal, window = case.get("is_causal", False), case.get("window_left", -1)
+    mask = torch.rand(1, 1, 200, k.shape[2], device=DEV) > 0.2 if case.get("mask") else None
+    softcap = case.get("softcap", 0.0)
+    python_refuses = _cuda.flash_backward_unsupported_reason(q, k, v, mask, is_causal, window, softcap)
+    out, lse = op(q, k, v, mask, 0.125, is_causal, window, 0, softcap, None)
+    torch.ops.fa2_inductor.flash_attention_bwd(torch.randn_like(q), q, k, v, out, lse, mask, 0.125, is_causal, False,
+                                               window, softcap, None)
+    cpp_refused = any(key.startswith("reference_fallback:backward: ") for key in fresh_counters)
+    assert cpp_refused == (python_refuses is not None), (python_refuses, dict(fresh_counters))
