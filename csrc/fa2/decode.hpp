@@ -56,6 +56,13 @@ constexpr float kLog2e = 1.4426950408889634f;
 #ifndef FA2_DECODE_COL_SPLIT
 #define FA2_DECODE_COL_SPLIT 1
 #endif
+// FA2_DECODE_KEY_GROUPS=2 (D <= 128): 32-key blocks, as from D = 192; with FA2_DECODE_COL_SPLIT=2 still four warps
+// and with FA2_DECODE_STAGES=6 the same shared memory as three 64-key stages, but five of the six blocks in flight
+// while one is computed (80 KB per CTA rather than 64): a sweep's test of whether the streaming loop is bound by
+// the bytes it keeps in flight.
+#ifndef FA2_DECODE_KEY_GROUPS
+#define FA2_DECODE_KEY_GROUPS 4
+#endif
 // Key blocks are dealt out to the splits in turn (see the split kernel); FA2_DECODE_DEAL_UNMASKED=0 gives calls
 // without a mask contiguous ranges instead, every key of theirs being visible anyway: a sweep's A/B (their rows
 // read 2-5% slower after the change, against a run whose cuDNN rows moved as much).
@@ -80,7 +87,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 template <int HeadDim>
 struct Config {
   static constexpr int kColSplit = HeadDim > 128 ? 2 : FA2_DECODE_COL_SPLIT;
-  static constexpr int kKeyGroups = HeadDim > 128 ? 2 : 4;
+  static constexpr int kKeyGroups = HeadDim > 128 ? 2 : FA2_DECODE_KEY_GROUPS;
   static constexpr int kWarps = kKeyGroups * kColSplit;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockN = 16 * kKeyGroups;    // keys per block
