@@ -158,6 +158,11 @@ CUTE_DEVICE void bulk_reduce_add(float* gmem, const float* smem, int bytes) {
                : "memory");
 }
 CUTE_DEVICE void bulk_wait_complete() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// Four floats added to global memory with no value returned: atomicAdd(float4 *) compiles to an atom that brings
+// the old values back into four registers, which nothing here reads.
+CUTE_DEVICE void red_add_f32x4(float* gmem, float x, float y, float z, float w) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(gmem), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+}
 
 // Named barrier kBase + warpgroup with the id as an immediate in each branch (no register holds it).
 template <int kBase>
@@ -414,8 +419,7 @@ CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::Shar
     }
     CUTE_UNROLL
     for (int i = 0; i < T::kDqFloatsPerThread; i += 4) {
-      atomicAdd(reinterpret_cast<float4*>(accum + dq_fragment_offset<T>(tid, i)),
-                make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3)));
+      red_add_f32x4(accum + dq_fragment_offset<T>(tid, i), tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
     }
     if (args.deterministic) {
       warpgroup_barrier_sync<kBwdBarrierDqTurn>(wg, 128);
