@@ -17,6 +17,7 @@
 
 #include "bwd_traits.hpp"
 #include "bwd_mask.hpp"
+#include "global_reduce.hpp"  // red_add_f32x4
 #include "softmax.hpp"  // acc_to_a_operand_layout
 
 namespace fa2 {
@@ -158,11 +159,6 @@ CUTE_DEVICE void bulk_reduce_add(float* gmem, const float* smem, int bytes) {
                : "memory");
 }
 CUTE_DEVICE void bulk_wait_complete() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-// Four floats added to global memory with no value returned: atomicAdd(float4 *) compiles to an atom that brings
-// the old values back into four registers, which nothing here reads.
-CUTE_DEVICE void red_add_f32x4(float* gmem, float x, float y, float z, float w) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(gmem), "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
-}
 
 // Named barrier kBase + warpgroup with the id as an immediate in each branch (no register holds it).
 template <int kBase>
