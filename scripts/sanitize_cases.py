@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from unittest import mock
 
 import torch
 from torch._dynamo.utils import counters
 
 import fa2_inductor  # noqa: F401  (registers the op)
 from fa2_inductor import _extension
+from fa2_inductor.bench.decode import SPLITS_VARIABLE
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BATCH, Q_HEADS, KV_HEADS, SEQ_Q, SEQ_K = 1, 4, 2, 200, 135
@@ -74,13 +76,8 @@ def main() -> int:
             continue
         for name, q, k, v, mask, causal, splits in _cases(head_dim, DTYPES[dtype_name]):
             counters.clear()
-            if splits:
-                os.environ["FA2_INDUCTOR_DECODE_SPLITS"] = str(splits)
-            try:
+            with mock.patch.dict(os.environ, {SPLITS_VARIABLE: str(splits)} if splits else {}):
                 out, _ = op(q, k, v, mask, head_dim**-0.5, causal)
-            finally:
-                if splits:
-                    del os.environ["FA2_INDUCTOR_DECODE_SPLITS"]
             torch.cuda.synchronize()
             fallbacks = {key: n for key, n in counters["fa2_inductor"].items() if key.startswith("reference_fallback")}
             finite = bool(out.isfinite().all())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import warnings
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -61,15 +62,8 @@ def _ours(q, k, v, mask):
 def _ours_with_splits(splits: int):
     """``_ours`` with its key split count forced (the kernel reads SPLITS_VARIABLE at each call)."""
     def call(q, k, v, mask):
-        before = os.environ.get(SPLITS_VARIABLE)
-        os.environ[SPLITS_VARIABLE] = str(splits)
-        try:
+        with mock.patch.dict(os.environ, {SPLITS_VARIABLE: str(splits)}):
             return _ours(q, k, v, mask)
-        finally:
-            if before is None:
-                del os.environ[SPLITS_VARIABLE]
-            else:
-                os.environ[SPLITS_VARIABLE] = before
     return call
 
 

@@ -20,6 +20,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 import fa2_inductor  # noqa: E402
 from fa2_inductor import _extension  # noqa: E402
 from fa2_inductor.reference import EmptyRows, attention_reference  # noqa: E402
+from fa2_inductor.bench.decode import SPLITS_VARIABLE  # noqa: E402
 
 if _extension.C is None:
     pytest.skip(f"fa2_inductor._C not loaded: {_extension.status}", allow_module_level=True)
@@ -150,7 +151,7 @@ def test_forced_split_counts_keep_the_answer(splits, monkeypatch):
     (5000 keys): unmasked, 1 split walks all 79 (two 64-block windows); with a static cache's mask (filled to 70
     of the 5000 slots) the blocks are scanned into a 64-bit set, so 1 becomes 2; 1000 is one split per block."""
     needs_kernel(128, "bf16")
-    monkeypatch.setenv("FA2_INDUCTOR_DECODE_SPLITS", str(splits))
+    monkeypatch.setenv(SPLITS_VARIABLE, str(splits))
     q, k, v = make_qkv(2, 32, 8, 1, 5000, 128, torch.bfloat16, seed=4)
     check_forward(q, k, v, False, 0.0, None)
     check_forward(q, k, v, False, 0.0, None, static_cache_mask(2, 1, 5000, [70, 5000], "bool"))
