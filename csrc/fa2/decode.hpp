@@ -249,6 +249,11 @@ __device__ __forceinline__ float2 finish_row(float row_max, float row_sum, const
   return make_float2(joined, lse == -INFINITY ? 0.f : expf(lse - joined));
 }
 
+// A split's weight in its row: its sum scaled from its max to the row's (0 for a split that saw no key).
+__device__ __forceinline__ float split_weight(float split_max, float split_sum, float row_max) {
+  return split_max == -INFINITY ? 0.f : split_sum * expf(split_max - row_max);
+}
+
 // The combine kernel's arithmetic for the rows of one tile, run by the split CTA that finished last: a warp per
 // row, its lanes over the splits for the row's max and the weights sum_s * exp(max_s - max) (kept in `scratch`
 // up to its size, recomputed past it), then 4 columns each, the splits added in order. The partial rows come
@@ -273,10 +278,7 @@ __device__ __forceinline__ void combine_tile_rows(const Args& args, int tile, in
     float top = -INFINITY;
     for (int split = lane; split < plan.splits; split += 32) top = fmaxf(top, max_of(split));
     for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
-    auto weight = [&](int split) {
-      const float m = max_of(split);
-      return m == -INFINITY ? 0.f : sum_of(split) * expf(m - top);
-    };
+    auto weight = [&](int split) { return split_weight(max_of(split), sum_of(split), top); };
     float total = 0.f;
     for (int split = lane; split < plan.splits; split += 32) {
       const float w = weight(split);
@@ -686,13 +688,12 @@ __global__ void __launch_bounds__(32 * kCombineWarps) decode_combine_kernel(cons
     top = fmaxf(top, max_partial[split * plan.partial_rows]);
   }
   top = reduce(top, true);
-  auto weight_of = [&](float m, float z) { return m == -INFINITY ? 0.f : z * expf(m - top); };
   auto weight = [&](int split) {
-    return weight_of(max_partial[split * plan.partial_rows], sum_partial[split * plan.partial_rows]);
+    return split_weight(max_partial[split * plan.partial_rows], sum_partial[split * plan.partial_rows], top);
   };
   float total = 0.f;
   if (tid < plan.splits) {
-    const float w = weight_of(first_max, first_sum);
+    const float w = split_weight(first_max, first_sum, top);
     weights[tid] = w;
     total += w;
   }
