@@ -17,6 +17,7 @@
 
 #include "bwd_traits.hpp"
 #include "bwd_mask.hpp"
+#include "global_reduce.hpp"  // red_add_f32x4
 #include "softmax.hpp"  // acc_to_a_operand_layout
 
 namespace fa2 {
@@ -341,14 +342,23 @@ CUTE_DEVICE void probabilities(const BwdKernelArgs<Traits>& args, TensorS& tSrS,
   const bool causal_edge =
       causal && causal_block<T::kBlockM, T::kBlockN>(m_block, n_block, args.window_left) == CausalBlock::kPartial;
   if (key_tail || causal_edge) {
-    // A key is visible iff it lies inside Sk and lo <= key - query <= hi.
-    const int hi = causal ? 0 : INT_MAX;
-    const int lo = causal && args.window_left >= 0 ? -args.window_left : INT_MIN;
+    // A key inside Sk is seen by the queries from itself (causal; else from the first) to key + window_left
+    // (else to the last): two bounds per key row of the fragment, as query columns of this tile, then two
+    // comparisons per element. `reach` saturates at INT_MAX / 2, which no column reaches (no overflow).
+    Tensor s_rc = make_tensor(tSrS.data(), acc_rowcol_layout(tSrS.layout()));
+    Tensor c_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+    const bool windowed = causal && args.window_left >= 0;
+    const int reach = windowed ? int(min(int64_t(args.window_left) + n0 - m0, int64_t(INT_MAX / 2))) : INT_MAX / 2;
     CUTE_UNROLL
-    for (int i = 0; i < size(tSrS); ++i) {
-      const int key = n0 + get<0>(tScS(i));
-      const int offset = key - (m0 + get<1>(tScS(i)));
-      if (key >= args.seqlen_k || offset > hi || offset < lo) tSrS(i) = 0.f;
+    for (int r = 0; r < size<0>(s_rc); ++r) {
+      const int key_in_tile = get<0>(c_rc(r, 0));
+      const int first = causal ? n0 - m0 + key_in_tile : INT_MIN;
+      const int last = n0 + key_in_tile >= args.seqlen_k ? -1 : key_in_tile + reach;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s_rc); ++c) {
+        const int query_in_tile = get<1>(c_rc(r, c));
+        if (query_in_tile < first || query_in_tile > last) s_rc(r, c) = 0.f;
+      }
     }
   }
 }
@@ -405,8 +415,7 @@ CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::Shar
     }
     CUTE_UNROLL
     for (int i = 0; i < T::kDqFloatsPerThread; i += 4) {
-      atomicAdd(reinterpret_cast<float4*>(accum + dq_fragment_offset<T>(tid, i)),
-                make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3)));
+      red_add_f32x4(accum + dq_fragment_offset<T>(tid, i), tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
     }
     if (args.deterministic) {
       warpgroup_barrier_sync<kBwdBarrierDqTurn>(wg, 128);

@@ -13,6 +13,7 @@
 
 #include "mask.hpp"
 #include "bwd_params.h"  // kMaxHeadRatio
+#include "global_reduce.hpp"  // red_add_f32
 #include "params.h"
 #include "softmax.hpp"  // acc_rowcol_layout, quad_sum
 
@@ -191,7 +192,7 @@ CUTE_DEVICE void add_mask_gradient(const BwdMaskArgs& mk, TensorDS& tdS, const T
       sum = quad_sum(sum);
       const int key = n0 + get<0>(c_rc(r, 0));
       if (threadIdx.x % 4 == 0 && key < seqlen_k && sum != 0.f) {
-        atomicAdd(base + int64_t(key) * mk.dmask_col_stride, sum);
+        red_add_f32(base + int64_t(key) * mk.dmask_col_stride, sum);
       }
     }
   } else {
@@ -205,7 +206,7 @@ CUTE_DEVICE void add_mask_gradient(const BwdMaskArgs& mk, TensorDS& tdS, const T
       CUTE_UNROLL
       for (int c = 0; c < size<1>(ds_rc); ++c) {
         const int query = m0 + get<1>(c_rc(r, c));
-        if (query < seqlen_q && ds_rc(r, c) != 0.f) atomicAdd(row + int64_t(query) * mk.dmask_row_stride, ds_rc(r, c));
+        if (query < seqlen_q && ds_rc(r, c) != 0.f) red_add_f32(row + int64_t(query) * mk.dmask_row_stride, ds_rc(r, c));
       }
     }
   }

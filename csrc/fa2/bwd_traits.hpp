@@ -26,7 +26,7 @@ using namespace cute;
 // for S^T/dP^T and the head dim for dV/dK/dQ, and P goes through shared memory too.
 // kMasked: a mask kernel (its partial blocks need registers for the mask's bits or values).
 // kStagedDq: dQ partials staged in shared memory and added to the float32 accumulator by one warp with bulk
-// reductions (TMA); else the MMA warps add them with float4 atomics. D <= 192 stage them (D = 192: 225 of
+// reductions (TMA); else the MMA warps add them with vector reductions. D <= 192 stage them (D = 192: 225 of
 // 227 KiB; on the H200 staging took its fwd+bwd from 0.91-0.92x to 1.19-1.22x cuDNN). D = 256 adds directly:
 // staging fits there only with one Q and one dO stage (-DFA2_BWD_STAGED_DQ_HDIM256=1
 // -DFA2_BWD_STAGES_HDIM256=1, FlashAttention-3's choice), which measured slower (0.78-0.84x against 0.84-0.93x).
