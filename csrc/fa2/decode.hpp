@@ -36,12 +36,9 @@ namespace fa2 {
 namespace decode {
 
 constexpr int kRows = 16;                    // packed query rows per CTA (one m16 tile)
-// K/V blocks in flight per CTA. FA2_DECODE_STAGES: a sweep's A/B for the streaming loop (batch 32 at 32k keys
-// reads 3.9 TB/s where cuDNN reads 4.5); 4 stages leave shared memory for one CTA per SM (D = 128), 3 for two.
-#ifndef FA2_DECODE_STAGES
-#define FA2_DECODE_STAGES 3
-#endif
-constexpr int kStages = FA2_DECODE_STAGES;
+// K/V blocks in flight per CTA: three leave shared memory for two CTAs per SM at D = 128 (four, one: batch 32
+// took twice the time).
+constexpr int kStages = 3;
 constexpr int kMaxBlocksPerSplit = 64;       // where blocks are scanned: a split's visible-block set is one word
 constexpr int kCombineWarps = 4;             // per output row (a CTA each), sharing its splits
 constexpr int kCombineEarly = 8;             // splits per warp whose first columns are loaded at entry
@@ -52,16 +49,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 // The warps split a block's keys 16 each (key groups: 4, a 64-key block; 2 from D = 192, 32-key blocks). Above
 // D = 128 two warps share a key group and take half of the output columns each: a 16 x 256 float accumulator does
 // not fit one warp's registers. FA2_DECODE_COL_SPLIT=2 does the same at D <= 128: twice the warps per CTA (each
-// computes its key group's scores, as the pair's other warp does) to hide more latency; untimed so far.
+// computes its key group's scores, as the pair's other warp does): a sweep's A/B, slower where measured.
 #ifndef FA2_DECODE_COL_SPLIT
 #define FA2_DECODE_COL_SPLIT 1
-#endif
-// FA2_DECODE_KEY_GROUPS=2 (D <= 128): 32-key blocks, as from D = 192; with FA2_DECODE_COL_SPLIT=2 still four warps
-// and with FA2_DECODE_STAGES=6 the same shared memory as three 64-key stages, but five of the six blocks in flight
-// while one is computed (80 KB per CTA rather than 64): a sweep's test of whether the streaming loop is bound by
-// the bytes it keeps in flight.
-#ifndef FA2_DECODE_KEY_GROUPS
-#define FA2_DECODE_KEY_GROUPS 4
 #endif
 // Key blocks are dealt out to the splits in turn (see the split kernel); FA2_DECODE_DEAL_UNMASKED=0 gives calls
 // without a mask contiguous ranges instead, every key of theirs being visible anyway: a sweep's A/B (their rows
@@ -69,25 +59,10 @@ constexpr float kLog2e = 1.4426950408889634f;
 #ifndef FA2_DECODE_DEAL_UNMASKED
 #define FA2_DECODE_DEAL_UNMASKED 1
 #endif
-// FA2_DECODE_FUSED_COMBINE=1: the split CTA of a row tile that finishes last combines the tile's rows (an arrival
-// counter per tile, zeroed before the launch), so a call with several splits is one kernel, not two: the combine
-// kernel waits for the whole split grid and then pays its own start (batch 1: about 5.6 us after the split
-// kernel, profiled). A sweep's A/B, untimed so far.
-#ifndef FA2_DECODE_FUSED_COMBINE
-#define FA2_DECODE_FUSED_COMBINE 0
-#endif
-// Left to choose, ptxas gives the split kernel with the fused combine 168 registers at D = 128 and spills 28 bytes;
-// asked for at least one resident CTA (two still fit) it keeps 207 without spills (D = 64/192 too; D = 256 spills
-// 44 bytes either way). The default build keeps its bound: the same hint there costs D = 256 spills.
-#if FA2_DECODE_FUSED_COMBINE
-#define FA2_DECODE_SPLIT_BOUNDS __launch_bounds__(Config<HeadDim>::kThreads, 1)
-#else
-#define FA2_DECODE_SPLIT_BOUNDS __launch_bounds__(Config<HeadDim>::kThreads)
-#endif
 template <int HeadDim>
 struct Config {
   static constexpr int kColSplit = HeadDim > 128 ? 2 : FA2_DECODE_COL_SPLIT;
-  static constexpr int kKeyGroups = HeadDim > 128 ? 2 : FA2_DECODE_KEY_GROUPS;
+  static constexpr int kKeyGroups = HeadDim > 128 ? 2 : 4;
   static constexpr int kWarps = kKeyGroups * kColSplit;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockN = 16 * kKeyGroups;    // keys per block
@@ -179,7 +154,6 @@ struct Args {
   float* sum_partial;   // [splits, B * Hq * Sq]: its sum of exp(score - max). Kept apart rather than as an LSE:
                         // max + log(sum) loses the sum where the max is huge (finfo.min fills)
   float softcap_in, softcap_out;  // softcap.hpp's factors (softcap_in = 0: none)
-  int* arrivals = nullptr;        // FA2_DECODE_FUSED_COMBINE: [row tiles * B * Hkv] splits done, zeroed per call
 };
 
 // Shared memory: the query tile and the K/V stages; at the end the stages hold each warp's rows.
@@ -254,66 +228,8 @@ __device__ __forceinline__ float split_weight(float split_max, float split_sum, 
   return split_max == -INFINITY ? 0.f : split_sum * expf(split_max - row_max);
 }
 
-// The combine kernel's arithmetic for the rows of one tile, run by the split CTA that finished last: a warp per
-// row, its lanes over the splits for the row's max and the weights sum_s * exp(max_s - max) (kept in `scratch`
-// up to its size, recomputed past it), then 4 columns each, the splits added in order. The partial rows come
-// from other CTAs: read through L2 (ld.cg), after the arrival counter's fence.
 template <int HeadDim, DType Dt>
-__device__ __forceinline__ void combine_tile_rows(const Args& args, int tile, int batch, int kv_head, float* scratch,
-                                  int scratch_floats) {
-  using T = typename Element<Dt>::T;
-  constexpr int kWarps = Config<HeadDim>::kThreads / 32;
-  const FwdParams& p = args.p;
-  const Plan& plan = args.plan;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int rows_here = min(kRows, plan.groups * p.seqlen_q - tile * kRows);
-  const int kept = scratch_floats / kWarps;
-  float* weights = scratch + warp * kept;
-  for (int r = warp; r < rows_here; r += kWarps) {
-    const int packed = tile * kRows + r;
-    const int head = kv_head * plan.groups + packed / p.seqlen_q, i = packed % p.seqlen_q;
-    const int64_t row = (int64_t(batch) * p.heads_q + head) * p.seqlen_q + i;
-    auto max_of = [&](int split) { return __ldcg(args.max_partial + split * plan.partial_rows + row); };
-    auto sum_of = [&](int split) { return __ldcg(args.sum_partial + split * plan.partial_rows + row); };
-    float top = -INFINITY;
-    for (int split = lane; split < plan.splits; split += 32) top = fmaxf(top, max_of(split));
-    for (int offset = 16; offset > 0; offset /= 2) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, offset));
-    auto weight = [&](int split) { return split_weight(max_of(split), sum_of(split), top); };
-    float total = 0.f;
-    for (int split = lane; split < plan.splits; split += 32) {
-      const float w = weight(split);
-      if (split < kept) weights[split] = w;
-      total += w;
-    }
-    for (int offset = 16; offset > 0; offset /= 2) total += __shfl_xor_sync(0xffffffffu, total, offset);
-    __syncwarp();  // the weights
-    const float2 finished = finish_row(top, total, p.sinks, head);
-    const float out_scale = total > 0.f ? finished.y / total : 0.f;
-    T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride + int64_t(i) * p.o_row_stride;
-    const float* o_row = args.o_partial + row * p.head_dim;
-    const int64_t split_stride = plan.partial_rows * p.head_dim;
-    for (int d = 4 * lane; d < p.head_dim; d += 128) {
-      float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (total > 0.f) {
-#pragma unroll 8
-        for (int split = 0; split < plan.splits; ++split) {
-          const float w = split < kept ? weights[split] : weight(split);
-          const float4 o = __ldcg(reinterpret_cast<const float4*>(o_row + split * split_stride + d));
-          value.x += w * o.x, value.y += w * o.y, value.z += w * o.z, value.w += w * o.w;
-        }
-      }
-      out[d] = Element<Dt>::from_float(value.x * out_scale);
-      out[d + 1] = Element<Dt>::from_float(value.y * out_scale);
-      out[d + 2] = Element<Dt>::from_float(value.z * out_scale);
-      out[d + 3] = Element<Dt>::from_float(value.w * out_scale);
-    }
-    if (lane == 0) p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + i] = finished.x;
-    __syncwarp();  // the weights are the warp's next row's
-  }
-}
-
-template <int HeadDim, DType Dt>
-__global__ void FA2_DECODE_SPLIT_BOUNDS decode_split_kernel(const Args args) {
+__global__ void __launch_bounds__(Config<HeadDim>::kThreads) decode_split_kernel(const Args args) {
   using S = Smem<HeadDim, Dt>;
   using C = Config<HeadDim>;
   using T = typename S::T;
@@ -613,22 +529,6 @@ __global__ void FA2_DECODE_SPLIT_BOUNDS decode_split_kernel(const Args args) {
       args.o_partial[(split * plan.partial_rows + row_index) * p.head_dim + d] = sum;
     }
   }
-#if FA2_DECODE_FUSED_COMBINE
-  if (plan.splits > 1) {
-    __shared__ bool last_split;
-    __threadfence();  // this CTA's partial rows reach L2 before its arrival is counted
-    __syncthreads();  // (and every thread is done with `partial` in shared memory, reused below)
-    if (tid == 0) {
-      last_split = atomicAdd(args.arrivals + blockIdx.x, 1) == plan.splits - 1;
-      __threadfence();  // the other splits' rows are read after their arrivals
-    }
-    __syncthreads();
-    if (last_split) {
-      combine_tile_rows<HeadDim, Dt>(args, tile, batch, kv_head, partial,
-                                     kStages * S::kStageElems * int(sizeof(T)) / int(sizeof(float)));
-    }
-  }
-#endif
 }
 
 // out and lse from the splits' partial rows: weights sum_s * exp(max_s - max), then the sink (if any) joins the row.
@@ -828,8 +728,7 @@ Plan make_plan(const FwdParams& p) {
   plan.partial_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   // One split writes out and lse itself: partial rows only for the combine.
   const int64_t floats = plan.splits == 1 ? 0 : int64_t(plan.splits) * plan.partial_rows * (p.head_dim + 2);
-  const int64_t arrivals = FA2_DECODE_FUSED_COMBINE && plan.splits > 1 ? ctas : 0;
-  plan.workspace_bytes = ((floats + arrivals) * int64_t(sizeof(float)) + 255) / 256 * 256;
+  plan.workspace_bytes = (floats * int64_t(sizeof(float)) + 255) / 256 * 256;
   return plan;
 }
 
@@ -862,11 +761,6 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
     args.sum_partial = args.max_partial + int64_t(plan.splits) * plan.partial_rows;
   }
   const int64_t ctas = int64_t(p.batch) * p.heads_kv * plan.row_tiles;
-  if (FA2_DECODE_FUSED_COMBINE && plan.splits > 1) {
-    args.arrivals = reinterpret_cast<int*>(args.sum_partial + int64_t(plan.splits) * plan.partial_rows);
-    const cudaError_t zeroed = cudaMemsetAsync(args.arrivals, 0, ctas * sizeof(int), stream);
-    if (zeroed != cudaSuccess) return zeroed;
-  }
 
   auto kernel = &decode_split_kernel<HeadDim, Dt>;
   constexpr int smem_bytes = Smem<HeadDim, Dt>::kBytes;
@@ -876,7 +770,7 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
   dim3 grid(unsigned(ctas), unsigned(plan.splits));
   kernel<<<grid, Config<HeadDim>::kThreads, smem_bytes, stream>>>(args);
   err = cudaGetLastError();
-  if (err != cudaSuccess || plan.splits == 1 || FA2_DECODE_FUSED_COMBINE) return err;
+  if (err != cudaSuccess || plan.splits == 1) return err;
   const int64_t combine_ctas = plan.partial_rows;
   return launch_after_prior_grid(&decode_combine_kernel<Dt>, dim3(unsigned(combine_ctas)),
                                  dim3(32 * kCombineWarps), 0, stream, args);
