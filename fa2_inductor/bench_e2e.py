@@ -47,7 +47,7 @@ from . import config as fa2_config
 from . import hf
 from .bench import environment, exit_without_cuda, time_calls, write_json, zoo
 from .bench.profiling import PROFILE_HEADER, profile_calls
-from .bench.timing import medians, time_compiled_in_turns
+from .bench.timing import medians, time_compiled_in_turns, turn_order
 
 BASELINE = "sdpa + Inductor"
 INFERENCE_PHASES = ("prefill", "decode", "decode_dynamic", "generate")
@@ -303,7 +303,7 @@ def run_generations(variants: list[Variant], workload: Generation, shape: dict, 
                 result.error = _error_line(exc)
             results.append(result)
         for round_index in range(args.reps):
-            for variant, result, model, per_token in ready if round_index % 2 == 0 else ready[::-1]:
+            for variant, result, model, per_token in turn_order(ready, round_index):
                 if result.error:
                     continue
                 try:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ..ops import flash_attention
 from ..reference import EmptyRows
 from .report import environment, environment_line, write_json
+from .timing import turn_order
 
 BATCH, HEADS, SEQLEN, HEAD_DIM = 1, 2, 128, 64
 DTYPE = torch.bfloat16
@@ -58,7 +59,7 @@ def _burst_us(fn: Callable[[], object], device: torch.device) -> float:
 def per_call_us_in_turns(fns: dict[str, Callable[[], object]], device: torch.device, *, warmup: int,
                          reps: int) -> dict[str, float]:
     """Each call's median µs per call over ``reps`` bursts, after ``warmup`` untimed ones. The bursts are timed
-    in turns (round r runs one burst of each call, in reverse order when r is odd): timed one row after
+    in turns (round r runs one burst of each call, in ``turn_order``): timed one row after
     the other, the first (the op alone, under no_grad) read 20.3 µs on an H200 where flash_attention(),
     which calls it, read 15.7."""
     for fn in fns.values():
@@ -66,7 +67,7 @@ def per_call_us_in_turns(fns: dict[str, Callable[[], object]], device: torch.dev
             _burst_us(fn, device)
     bursts: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(reps):
-        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+        for name in turn_order(fns, r):
             bursts[name].append(_burst_us(fns[name], device))
     return {name: statistics.median(times) for name, times in bursts.items()}
 

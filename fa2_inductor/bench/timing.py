@@ -72,13 +72,18 @@ def time_calls(fn: Callable, arg_sets: ArgSets, device: torch.device, *, warmup:
     return timer(fn, arg_sets, warmup=warmup, reps=reps)
 
 
+def turn_order(items: Sequence, round_index: int) -> list:
+    """The order of one round when calls are timed in turns: as given in even rounds, reversed in odd ones, so
+    that the GPU's clocks and temperature drifting over the rounds reach every call alike."""
+    return list(items) if round_index % 2 == 0 else list(items)[::-1]
+
+
 def time_in_turns(
     calls: dict[str, Callable], arg_sets: ArgSets, device: torch.device, *, warmup: int, reps: int
 ) -> dict[str, "list[float] | Exception"]:
     """Milliseconds of each call's timed reps, the calls timed in turns: round r times one call of each, in
-    the given order when r is even and in reverse when odd, so that the GPU's clocks and temperature drifting
-    over a cell reach every call alike (timed one after another, the same kernel read up to 7 % faster when
-    timed first at 16k tokens). Each call first gets a probe call that sets its own affordable (warmup, reps)
+    ``turn_order`` (timed one after another, the same kernel read up to 7 % faster when timed first at 16k
+    tokens). Each call first gets a probe call that sets its own affordable (warmup, reps)
     and its warm-up calls. A call that raises gets its exception instead of times and leaves the rounds."""
     plans: dict[str, tuple[int, int]] = {}
     failed: dict[str, Exception] = {}
@@ -92,8 +97,7 @@ def time_in_turns(
             failed[name] = exc
     times: dict[str, list[float]] = {name: [] for name in plans}
     for r in range(max((plan_reps for _, plan_reps in plans.values()), default=0)):
-        order = list(plans) if r % 2 == 0 else list(plans)[::-1]
-        for name in order:
+        for name in turn_order(plans, r):
             call_warmup, call_reps = plans[name]
             if name in failed or r >= call_reps:
                 continue
