@@ -29,7 +29,8 @@ using namespace cute;
 // reductions (TMA); else the MMA warps add them with vector reductions. D <= 192 stage them (D = 192: 225 of
 // 227 KiB; on the H200 staging took its fwd+bwd from 0.91-0.92x to 1.19-1.22x cuDNN). D = 256 adds directly:
 // staging fits there only with one Q and one dO stage (-DFA2_BWD_STAGED_DQ_HDIM256=1
-// -DFA2_BWD_STAGES_HDIM256=1, FlashAttention-3's choice), which measured slower (0.78-0.84x against 0.84-0.93x).
+// -DFA2_BWD_STAGES_HDIM256=1, FlashAttention-3's choice), which measured slower (0.78-0.84x cuDNN, where the
+// direct adds read 0.84-0.93x as atomics and 0.98-1.09x as reductions).
 #ifndef FA2_BWD_STAGED_DQ_HDIM192
 #define FA2_BWD_STAGED_DQ_HDIM192 1
 #endif
