@@ -132,7 +132,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   }
 
   const int64_t tiles = int64_t(num_m_blocks) * p.heads_q * p.batch;
-  if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;  // QueryTiles numbers tiles in int
+  if (2 * tiles > INT32_MAX) return cudaErrorInvalidConfiguration;  // QueryTiles numbers tiles (pairs: 2x) in int
   auto kernel = &fwd_kernel_sm90<T>;
   const int smem_bytes = T::kSmemBytes;
   const cudaError_t err = allow_dynamic_smem<&fwd_kernel_sm90<T>>(smem_bytes);

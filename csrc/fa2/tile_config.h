@@ -11,11 +11,18 @@ namespace fa2 {
 // kPersistent: one CTA per SM runs many query tiles (tile_scheduler.hpp); it needs O staged apart
 // from Q, which D=256's shared memory has no room for. kHeaviestFirstStrideMaxSeqlenQ: calls whose tiles
 // run heaviest first (causal, masks) stride only up to this many query rows, one CTA per tile above.
-// Measured on the H200 (striding vs one CTA per tile, 16k tokens): D=64 1.24x / 1.17x / 1.10x at 512 / 1k
-// / 2k, 0.97-1.04x above; D=128 1.08x / 1.00x at 512 / 1k, 0.93-0.95x from 2k (heaviest-first striding
-// has every head's K/V in flight at once).
+// Measured on the H200 (bf16 causal, 16k tokens, striding in pairs vs one CTA per tile, same run): D=64
+// 1.26x / 1.18x / 1.11x / 1.06x at 512 / 1k / 2k / 4k, 1.00x at 8k, 0.98x at 16k; D=128 1.27x / 1.19x / 1.13x
+// / 1.08x / 1.05x at 512 / 1k / 2k / 4k / 8k, 0.99x at 16k. D=96 takes D=128's limit (not measured).
 template <int HeadDim, bool Causal>
 struct TileConfig;
+
+// FA2_STRIDE_MAX_SEQLEN_Q=n overrides kHeaviestFirstStrideMaxSeqlenQ of every persistent config (sweeps).
+#ifdef FA2_STRIDE_MAX_SEQLEN_Q
+#define FA2_STRIDE_MAX(measured) FA2_STRIDE_MAX_SEQLEN_Q
+#else
+#define FA2_STRIDE_MAX(measured) measured
+#endif
 
 // Ping-pong (kernels of two consumer warpgroups): the two take turns issuing their GEMMs (named barriers), so one
 // warpgroup's softmax runs under the other's GEMMs. Defaults from a tile sweep (docs/design.md):
@@ -77,7 +84,7 @@ struct TileConfig<64, Causal> {
   static constexpr int kMaskBlockN = kBlockN, kMaskStages = kStages;
   static constexpr int kLongBlockM = Causal ? FA2_TILE_M_HDIM64 : 0, kLongMinSeqlenQ = 8192;
   static constexpr bool kPersistent = true;
-  static constexpr int kHeaviestFirstStrideMaxSeqlenQ = 2048;
+  static constexpr int kHeaviestFirstStrideMaxSeqlenQ = FA2_STRIDE_MAX(4096);
 };
 // D=96 (Phi-3 and others; 80 runs here too, zero-padded): D=128's tiles, head-dim rows in 64-byte swizzle
 // atoms. Q 24 KB + three K and three V stages (24 KB each) + O staged apart. Built on request
@@ -89,7 +96,7 @@ struct TileConfig<96, Causal> {
   static constexpr int kMaskBlockN = kBlockN, kMaskStages = kStages;
   static constexpr bool kPersistent = true;
   static constexpr int kLongBlockM = 0, kLongMinSeqlenQ = 0;
-  static constexpr int kHeaviestFirstStrideMaxSeqlenQ = 1024;
+  static constexpr int kHeaviestFirstStrideMaxSeqlenQ = FA2_STRIDE_MAX(8192);
 };
 template <bool Causal>
 struct TileConfig<128, Causal> {
@@ -98,7 +105,7 @@ struct TileConfig<128, Causal> {
   static constexpr int kMaskBlockN = kBlockN, kMaskStages = kStages;
   static constexpr bool kPersistent = true;
   static constexpr int kLongBlockM = 0, kLongMinSeqlenQ = 0;
-  static constexpr int kHeaviestFirstStrideMaxSeqlenQ = 1024;
+  static constexpr int kHeaviestFirstStrideMaxSeqlenQ = FA2_STRIDE_MAX(8192);
 };
 // D=192: key blocks of 64 (128 keys in two stages would not fit): Q 48 KB + three K and three V stages
 // (72 KB each); O is staged in Q's buffer and the kernel keeps one CTA per tile, as D=256 does.

@@ -61,12 +61,14 @@ def assert_same_both_ways(one_cta_per_tile, call):
     return out, lse
 
 
-# (batch, heads_q, heads_kv, seqlen_q, seqlen_k): 2-4 tiles per SM on 132 SMs (the first three), fewer tiles
+# (batch, heads_q, heads_kv, seqlen_q, seqlen_k): 2-7 tiles per SM on 132 SMs (the first four; the fourth an
+# odd number of 128-row tiles per head, so striding causal CTAs take a head's middle tile alone), fewer tiles
 # than SMs (the last two), odd tails, Sq != Sk.
 SHAPES = [
     (8, 16, 16, 512, 512),
     (3, 12, 4, 1000, 1000),
     (2, 8, 1, 4099, 4099),
+    (6, 16, 4, 1100, 1100),
     (5, 6, 2, 300, 777),
     (1, 4, 4, 2000, 97),
 ]
