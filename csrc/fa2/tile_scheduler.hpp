@@ -14,7 +14,7 @@
 // M+1 key blocks whatever m is), heaviest pair first, the pairs of a head next to each other: each round
 // of strides then costs the same and the CTAs running together read the K/V of few heads, which stay in
 // L2. Heaviest first across all heads balanced the rounds too, but kept every head's K/V in flight: on the
-// H200 its L2 hit rate was 12-15 % (cuDNN's 46-74 %) and its DRAM traffic 2.6-4.4x the minimum.
+// H200 its L2 hit rate was 12-15 % (cuDNN's 46-74 %) and its DRAM traffic 1.7-4.3x the minimum.
 #pragma once
 
 #include <algorithm>
