@@ -137,7 +137,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const int smem_bytes = T::kSmemBytes;
   const cudaError_t err = allow_dynamic_smem<&fwd_kernel_sm90<T>>(smem_bytes);
   if (err != cudaSuccess) return err;
-  // Heaviest-first tiles (causal, masks) have every head's K/V in flight: long ones run one CTA per tile.
+  // Tiles of unequal cost (causal, masks) stride in pairs up to the config's limit; above it one CTA per
+  // tile, which the hardware balances as SMs free up.
   const bool heaviest_first = T::kCausal || T::kMask != MaskKind::kNone;
   const bool stride = !heaviest_first || p.seqlen_q <= T::Config::kHeaviestFirstStrideMaxSeqlenQ;
   const dim3 grid = forward_grid(num_m_blocks, p.heads_q, p.batch, T::kPersistent, stride ? p.num_sms : 0);
