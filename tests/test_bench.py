@@ -401,6 +401,27 @@ def test_ratios_and_row_text():
     assert row == ["16", "2", "2", "600.0", "300.0", "n/a", "2.00x", "-", "4.00e-03"]
 
 
+def test_ratio_summary_gives_the_range_median_and_the_cells_below_one():
+    def result(causal, seqlen, fa2_tflops):
+        cell = bench.Cell(dtype="bf16", causal=causal, head_dim=64, seqlen=seqlen, batch=1, heads=1)
+        measurements = {
+            "fa2_inductor": bench.Measurement("ok", median_ms=1.0, tflops=fa2_tflops),
+            "sdpa_flash": bench.Measurement("ok", median_ms=1.0, tflops=100.0),
+            "sdpa_cudnn": bench.Measurement("n/a", reason="head dim"),
+        }
+        return bench.CellResult(cell, measurements)
+
+    results = [result(False, 512, 90.0), result(False, 1024, 120.0), result(True, 512, 80.0), result(True, 1024, 95.0)]
+    assert bench.ratio_summary(results, ["fa2_inductor", "sdpa_flash", "sdpa_cudnn"]) == [
+        "fa2/flash: 0.80-1.20x over 4 cells (median 0.93x), below 1.0x in 3",
+        "    bf16 non-causal d64: seqlen 512",
+        "    bf16 causal d64: seqlen 512, 1024",
+    ]
+    assert bench.ratio_summary(results[1:2], ["fa2_inductor", "sdpa_flash"]) == [
+        "fa2/flash: 1.20-1.20x over 1 cell (median 1.20x), below 1.0x in none"
+    ]
+
+
 def test_no_ratios_when_fa2_did_not_run():
     measurements = {"fa2_inductor": bench.Measurement("WRONG"), "sdpa_flash": bench.Measurement("ok", 1.0, 1.0)}
     result = bench.CellResult(_cell(), measurements)
@@ -417,6 +438,7 @@ def test_tiny_run_prints_the_table_progressively(tiny_run):
     assert stdout.count("bf16, non-causal, head dim 8") == 1 and stdout.count("bf16, causal, head dim 8") == 1
     assert "fa2/flash" in stdout and "fa2/cudnn" in stdout
     assert "[1/4," in stdout and "[4/4," in stdout
+    assert "fa2/flash: " in stdout and " over 4 cells (median " in stdout  # the summary after the table
     assert stdout.count("note: sdpa_cudnn n/a") == 1  # the same reason is noted once, not per row
 
 

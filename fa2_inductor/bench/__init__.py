@@ -26,7 +26,7 @@ from .implementations import compare_to_reference, sdpa_reference
 from .masks import mask_rows
 from .measure import CellResult, Measurement, measure_cell, measure_together, ratio_name
 from .plot import draw_plot
-from .report import Progress, environment, group_title, table_header, table_row, write_json
+from .report import Progress, environment, group_title, ratio_summary, table_header, table_row, write_json
 from .timing import (
     TIME_BUDGET_MS, affordable_counts, every_median, input_set_count, medians_in_turns, time_calls, time_cpu,
     time_cuda, time_in_turns,
@@ -42,7 +42,7 @@ __all__ = [
     "mask_rows",
     "CellResult", "Measurement", "measure_cell", "measure_together", "ratio_name",
     "draw_plot",
-    "Progress", "environment", "group_title", "table_header", "table_row", "write_json",
+    "Progress", "environment", "group_title", "ratio_summary", "table_header", "table_row", "write_json",
     "TIME_BUDGET_MS", "affordable_counts", "every_median", "input_set_count", "medians_in_turns", "time_calls",
     "time_cpu", "time_cuda", "time_in_turns",
 ]

@@ -28,7 +28,7 @@ from .score_mods import score_mod_rows
 from .sites import run_sites
 from .measure import CellResult, measure_cell
 from .plot import draw_plot, plot_title
-from .report import Progress, environment, environment_line, write_json
+from .report import Progress, environment, environment_line, ratio_summary, write_json
 from .timing import TIME_BUDGET_MS
 
 FULL_SWEEP = {
@@ -209,6 +209,8 @@ def run(args: argparse.Namespace) -> list[CellResult]:
         document = {"environment": env, "settings": run_settings(args), "results": [r.to_record() for r in results]}
         write_json(args.json, document)
     print(f"\n{len(cells)} cells in {time.perf_counter() - progress.start:.0f} s; JSON: {args.json}")
+    for line in ratio_summary(results, args.impls):
+        print(line)
     if draw_plot(document["results"], args.impls, args.plot, plot_title(env)):
         print(f"plot: {args.plot}")
     return results

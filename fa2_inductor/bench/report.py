@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -65,6 +66,30 @@ def table_row(result: CellResult, impls: Sequence[str], check: bool) -> str:
             error = result.measurements[FA2].max_abs_error
             columns.append(f"{'-' if error is None else f'{error:.2e}':>14}")
     return "".join(columns)
+
+
+def ratio_summary(results: Sequence[CellResult], impls: Sequence[str]) -> list[str]:
+    """After the table: per implementation compared, the range and median of fa2_inductor's ratio over it
+    and the cells below 1.0x, grouped by table section (their seqlens)."""
+    lines = []
+    for impl in impls:
+        name = ratio_name(impl)
+        pairs = [(r.cell, r.ratios()[name]) for r in results if name in r.ratios()]
+        if impl == FA2 or not pairs:
+            continue
+        values = sorted(value for _, value in pairs)
+        below: dict[tuple, list[int]] = {}
+        for cell, value in pairs:
+            if value < 1.0:
+                below.setdefault(cell.group, []).append(cell.seqlen)
+        count = sum(len(seqlens) for seqlens in below.values())
+        cells = f"{len(pairs)} cell" + ("s" if len(pairs) != 1 else "")
+        lines.append(f"{name}: {values[0]:.2f}-{values[-1]:.2f}x over {cells} (median "
+                     f"{statistics.median(values):.2f}x), below 1.0x in {count or 'none'}")
+        for (dtype, causal, head_dim), seqlens in below.items():
+            lines.append(f"    {dtype} {'causal' if causal else 'non-causal'} d{head_dim}: "
+                         f"seqlen {', '.join(map(str, seqlens))}")
+    return lines
 
 
 class Progress:
