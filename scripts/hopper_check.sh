@@ -6,7 +6,7 @@
 #   STAGES=build,gpu-tests,bench scripts/hopper_check.sh    a subset (they always run in the order below)
 #   BUDGET_S=900 scripts/hopper_check.sh                    total time: a slow stage cuts the later ones
 #
-# Stages (default: all but demo):
+# Stages (default: all but demo and ncu):
 #   env         GPU, driver, Python, torch, nvcc, setuptools, CUTLASS, test dependencies -> env.txt
 #   build       the README's build, FA2_INDUCTOR_BUILD_CUDA=1 python -m pip install -v --no-build-isolation -e .
 #               -> build.log (with the -Xptxas=-v report: pip builds in a fresh temporary folder, so every
@@ -30,6 +30,9 @@
 #   zoo         python -m fa2_inductor.bench_e2e --zoo --json zoo.json (real model shapes with attention_mask)
 #   suite       the README's tests (python -m pytest -q tests, one process: the hang guard follows one) with the same per-test cut -> suite.log
 #   demo        python -m fa2_inductor.demo -> demo.log
+#   ncu         Nsight Compute on forward cells beside cuDNN (scripts/attention_cell.py): NCU_CELLS, default
+#               "64:512:causal 64:2048:causal 128:1024:causal 192:2048:full" (head dim:seqlen:causal or full)
+#               -> ncu_d<D>_s<S>_<causal|full>.txt (speed of light, memory, warp states, scheduler, occupancy)
 #   report      results.md from this folder's JSON (python -m fa2_inductor.bench.results)
 # Every stage's status, exit code and wall time go to summary.md and summary.json; a failing stage never
 # stops the run. To update docs/results.md, copy the JSON files into docs/measurements/ and regenerate
@@ -194,7 +197,7 @@ stage_bench() {
   limited "$PY" -m fa2_inductor.bench --json "$RESULTS/bench.json" --plot "$RESULTS/bench.png" "${extra[@]}" \
     > "$RESULTS/bench.log" 2>&1
   local rc=$?
-  RESULT="$(grep -E 'cells in' "$RESULTS/bench.log" | tail -1 | cut -d';' -f1); WRONG or error cells: $(grep -cE ' (WRONG|error) ' "$RESULTS/bench.log")"
+  RESULT="$(grep -E 'cells in' "$RESULTS/bench.log" | tail -1 | cut -d';' -f1); WRONG or error cells: $(grep -cE ' (WRONG|error) ' "$RESULTS/bench.log"); $(grep -E '^fa2/cudnn: ' "$RESULTS/bench.log" | tail -1)"
   (( rc == 0 )) || RESULT=$(last_line "$RESULTS/bench.log")
   return $rc
 }
@@ -246,6 +249,25 @@ PY
 }
 stage_e2e() { stage_e2e_run e2e --profile "$RESULTS/e2e_profile.txt"; }
 stage_e2e_train() { stage_e2e_run e2e_train --phases train train_padded; }
+
+stage_ncu() {
+  local ncu; ncu=$(command -v ncu || echo "${CUDA_HOME:-/usr/local/cuda}/bin/ncu")
+  if [[ ! -x $ncu ]]; then RESULT="ncu not found (Nsight Compute comes with the CUDA toolkit, in its bin/)"; return 1; fi
+  local cell head_dim seqlen mode rc=0 done=0
+  for cell in ${NCU_CELLS:-64:512:causal 64:2048:causal 128:1024:causal 192:2048:full}; do
+    IFS=: read -r head_dim seqlen mode <<< "$cell"
+    local -a flags=(--head-dim "$head_dim" --seqlen "$seqlen")
+    [[ $mode == causal ]] && flags+=(--causal)
+    # Our last two calls of four and cuDNN's first two; unlocked clocks, as the benchmark runs.
+    limited "$ncu" --clock-control none --kernel-name regex:'fwd_kernel|fprop' --launch-skip 2 --launch-count 4 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+      "$PY" scripts/attention_cell.py "${flags[@]}" > "$RESULTS/ncu_d${head_dim}_s${seqlen}_$mode.txt" 2>&1 \
+      && done=$((done + 1)) || rc=$?
+  done
+  RESULT="$done cells profiled (ncu_*.txt)"
+  return $rc
+}
 
 stage_demo() {
   limited "$PY" -m fa2_inductor.demo > "$RESULTS/demo.log" 2>&1
@@ -300,6 +322,7 @@ run_stage e2e-train 1200 stage_e2e_train
 run_stage zoo 1200 stage_zoo
 run_stage suite 2400 stage_suite
 run_stage demo 300 stage_demo
+run_stage ncu 600 stage_ncu
 run_stage report 120 stage_report
 write_summary_json
 

@@ -53,6 +53,41 @@ def test_hopper_check_writes_its_summary_where_there_is_no_gpu(tmp_path):
     assert (results / "results.md").read_text().startswith("# Measured results")
 
 
+def test_ncu_stage_profiles_each_cell_with_its_flags(tmp_path):
+    """The ncu stage's plumbing, with a stand-in `ncu` that prints its arguments: one report per cell of
+    NCU_CELLS, the cell's flags passed to scripts/attention_cell.py, and the count in the summary."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "ncu"
+    fake.write_text('#!/usr/bin/env bash\necho "ncu $*"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "STAGES": "ncu", "PYTHON": sys.executable, "NCU_CELLS": "64:512:causal 192:2048:full",
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "hopper_check.sh"), str(tmp_path / "results")],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    results = tmp_path / "results"
+    causal = (results / "ncu_d64_s512_causal.txt").read_text()
+    full = (results / "ncu_d192_s2048_full.txt").read_text()
+    assert "--launch-skip 2 --launch-count 4" in causal
+    assert causal.rstrip().endswith("scripts/attention_cell.py --head-dim 64 --seqlen 512 --causal")
+    assert full.rstrip().endswith("scripts/attention_cell.py --head-dim 192 --seqlen 2048")
+    (stage,) = json.loads((results / "summary.json").read_text())["stages"]
+    assert stage["status"] == "ok" and stage["result"] == "2 cells profiled (ncu_*.txt)"
+
+
+def test_attention_cell_needs_a_gpu_and_says_so():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the script would run the kernels")
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "attention_cell.py"), "--head-dim", "64",
+                             "--seqlen", "512", "--causal"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2, result.stderr
+    assert result.stdout.strip() == "attention_cell.py needs a CUDA GPU (it runs the kernels to be profiled)"
+
+
 def test_host_code_check_says_why_it_skips_a_cpu_torch():
     """CI's torch is a CPU build: the check has no c10/cuda headers to compile against and says so, exit 0. With
     a CUDA wheel (bash scripts/test_on_torch.sh 2.11.0) it compiles csrc/api.cpp."""
