@@ -422,6 +422,27 @@ def test_ratio_summary_gives_the_range_median_and_the_cells_below_one():
     ]
 
 
+def test_backward_summary_per_mode():
+    from fa2_inductor.bench import backward
+
+    cells = [bench.Cell(dtype="bf16", causal=True, head_dim=128, seqlen=s, batch=1, heads=1) for s in (512, 1024)]
+
+    def row(tflops):
+        return {"status": "ok", "tflops": tflops}
+
+    records = [
+        {"modes": {"fwd+bwd": {"fa2_inductor": row(90.0), "sdpa_cudnn": row(100.0)},
+                   "bwd": {"fa2_inductor": row(110.0), "sdpa_cudnn": row(100.0)}}},
+        {"modes": {"fwd+bwd": {"fa2_inductor": row(120.0), "sdpa_cudnn": row(100.0)},
+                   "bwd": {"fa2_inductor": {"status": "WRONG"}, "sdpa_cudnn": row(100.0)}}},
+    ]
+    assert backward.mode_summaries(cells, records, ["fa2_inductor", "sdpa_cudnn"]) == [
+        "fwd+bwd fa2/cudnn: 0.90-1.20x over 2 cells (median 1.05x), below 1.0x in 1",
+        "    bf16 causal d128: seqlen 512",
+        "bwd fa2/cudnn: 1.10-1.10x over 1 cell (median 1.10x), below 1.0x in none",
+    ]
+
+
 def test_no_ratios_when_fa2_did_not_run():
     measurements = {"fa2_inductor": bench.Measurement("WRONG"), "sdpa_flash": bench.Measurement("ok", 1.0, 1.0)}
     result = bench.CellResult(_cell(), measurements)

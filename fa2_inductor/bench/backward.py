@@ -21,9 +21,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .. import _cuda
 from ..ops import flash_attention
 from .cases import CAUSAL_CHOICES, DTYPES, Cell, attention_flops, sweep_cells
-from .measure import describe_exception, timing_row
+from .measure import CellResult, Measurement, describe_exception, timing_row
 from .plot import draw_plot
-from .report import environment, environment_line, write_json
+from .report import environment, environment_line, ratio_summary, write_json
 from .timing import medians_in_turns
 
 MODES = {"fwd+bwd": 3.5, "bwd": 2.5}  # FLOPs as multiples of the forward's
@@ -149,6 +149,17 @@ def _header(impls) -> str:
     return text + "".join(f"{'ours/' + name:>16}" for name in impls if name != "fa2_inductor")
 
 
+def mode_summaries(cells: list[Cell], records: list[dict], impls) -> list[str]:
+    """After the table: per mode, the forward sweep's ratio summary (range, median, cells below 1.0x)."""
+    lines = []
+    for mode in MODES:
+        results = [CellResult(cell, {name: Measurement(m["status"], tflops=m.get("tflops"))
+                                     for name, m in record["modes"][mode].items()})
+                   for cell, record in zip(cells, records)]
+        lines += [line if line.startswith(" ") else f"{mode} {line}" for line in ratio_summary(results, impls)]
+    return lines
+
+
 def _plot_records(records: list[dict], mode: str) -> list[dict]:
     """The records of one mode in the forward sweep's plot format."""
     return [{**{key: r[key] for key in ("dtype", "causal", "head_dim", "seqlen")}, "measurements": r["modes"][mode]}
@@ -187,6 +198,8 @@ def backward_rows(args: argparse.Namespace) -> int:
         write_json(args.json, {"environment": env, "settings": {"impls": impls, "modes": MODES}, "backward": records})
         torch.cuda.empty_cache()
     print(f"\nJSON: {args.json}")
+    for line in mode_summaries(cells, records, impls):
+        print(line)
     for mode in MODES:
         path = Path(args.plot).with_name(f"{Path(args.plot).stem}_{mode.replace('+', '')}.png")
         title = f"Attention {mode}, {env.get('gpu') or env['device']} (torch {env['torch']})"
