@@ -72,9 +72,10 @@ def ratio_summary(results: Sequence[CellResult], impls: Sequence[str]) -> list[s
     """After the table: per implementation compared, the range and median of fa2_inductor's ratio over it
     and the cells below 1.0x, grouped by table section (their seqlens)."""
     lines = []
+    ratios = [(r.cell, r.ratios()) for r in results]
     for impl in impls:
         name = ratio_name(impl)
-        pairs = [(r.cell, r.ratios()[name]) for r in results if name in r.ratios()]
+        pairs = [(cell, cell_ratios[name]) for cell, cell_ratios in ratios if name in cell_ratios]
         if impl == FA2 or not pairs:
             continue
         values = sorted(value for _, value in pairs)
