@@ -1,6 +1,9 @@
-// Epilogue: normalise O, stage it through shared memory (stmatrix), store it with one TMA
-// copy (rows past seqlen_q are clipped by the tensor map), and write the LSE rows. A persistent CTA
-// waits for the store lazily: before the next tile's O is staged, and before it exits (consumer_tiles).
+// Epilogue: normalise O, stage it through shared memory (stmatrix), store it with TMA (rows past
+// seqlen_q are clipped by the tensor map), and write the LSE rows. In a persistent CTA each consumer
+// warpgroup stages and stores its own 64 rows and waits for its own store lazily (before its next tile's
+// O is staged, and before it exits: consumer_tiles), with barriers of its own 128 threads: warpgroups
+// that run staggered (ping-pong) do not wait for each other between tiles. Otherwise all consumers
+// stage into Q's buffer and one thread stores the tile.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -20,12 +23,13 @@ CUTE_DEVICE void epilogue_store(const KernelArgs<Traits>& args, typename Traits:
   using Element = typename T::Element;
   typename T::TiledMmaPV mma_pv;
 
+  const int wg = tid / 128;
   Element* o_buffer;
   if constexpr (T::kPersistent) {
     o_buffer = smem.o.data();
-    // The previous tile's store must have read the buffer before it is written again.
-    if (tid == 0) tma_store_wait<0>();
-    cutlass::arch::NamedBarrier::sync(T::kConsumerThreads, kBarrierEpilogue);
+    // The warpgroup's previous store must have read its block before it is written again.
+    if (tid % 128 == 0) tma_store_wait<0>();
+    cutlass::arch::NamedBarrier::sync(128, kBarrierEpilogue + wg);
   } else {
     // Each warpgroup writes only the O rows it computed, i.e. the Q rows only its own (already
     // completed) S GEMMs read, so reusing the Q buffer needs no barrier before these stores.
@@ -40,15 +44,27 @@ CUTE_DEVICE void epilogue_store(const KernelArgs<Traits>& args, typename Traits:
   Tensor tRsO = thr_copy.partition_D(sO);
   copy(smem_copy, tRrO, tRsO);
   cutlass::arch::fence_view_async_shared();  // make st.shared visible to the TMA engine
-  cutlass::arch::NamedBarrier::sync(T::kConsumerThreads, kBarrierEpilogue);
 
-  if (tid == 0) {
-    Tensor mO = args.tma_o.get_tma_tensor(args.shape_q);
-    Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<typename T::TileM, typename T::TileD>{},
-                           make_coord(tile.m_block, _0{}));
-    auto thr_tma = args.tma_o.get_slice(_0{});
-    copy(args.tma_o, thr_tma.partition_S(sO), thr_tma.partition_D(gO));
-    tma_store_arrive();
+  Tensor mO = args.tma_o.get_tma_tensor(args.shape_q);
+  auto thr_tma = args.tma_o.get_slice(_0{});
+  if constexpr (T::kPersistent) {
+    cutlass::arch::NamedBarrier::sync(128, kBarrierEpilogue + wg);
+    const int block = tile.m_block * T::kConsumerWarpgroups + wg;  // 64-row blocks
+    if (tid % 128 == 0 && block * 64 < args.seqlen_q) {
+      Tensor sOw = make_tensor(make_smem_ptr(o_buffer + wg * cosize_v<typename T::SmemLayoutOWarpgroup>),
+                               typename T::SmemLayoutOWarpgroup{});
+      Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<_64, typename T::TileD>{}, make_coord(block, _0{}));
+      copy(args.tma_o, thr_tma.partition_S(sOw), thr_tma.partition_D(gO));
+      tma_store_arrive();
+    }
+  } else {
+    cutlass::arch::NamedBarrier::sync(T::kConsumerThreads, kBarrierEpilogue);
+    if (tid == 0) {
+      Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<typename T::TileM, typename T::TileD>{},
+                             make_coord(tile.m_block, _0{}));
+      copy(args.tma_o, thr_tma.partition_S(sO), thr_tma.partition_D(gO));
+      tma_store_arrive();
+    }
   }
 
   // LSE: the thread holding column pair 0 of each quad writes its two rows.

@@ -108,7 +108,8 @@ CUTE_DEVICE void consumer_tiles(const KernelArgs<Traits>& args, typename Traits:
   if constexpr (T::kPingPong) {
     if (wg == 0) cutlass::arch::NamedBarrier::sync(T::kConsumerThreads, kBarrierSchedule + 0);
   }
-  if (T::kPersistent && tid == 0) tma_store_wait<0>();  // shared memory lives until the last store has read it
+  // Shared memory lives until the warpgroup's last store has read it.
+  if (T::kPersistent && tid % 128 == 0) tma_store_wait<0>();
 }
 
 template <class Traits>

@@ -90,7 +90,7 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v)), lv),
                     take<0, 2>(typename T::SmemLayoutV{}), Shape<typename T::TileN, typename T::TileD>{}, _1{}),
       make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(static_cast<Element*>(p.o)), lo),
-                    typename T::SmemLayoutO{}, Shape<typename T::TileM, typename T::TileD>{}, _1{}),
+                    typename T::SmemLayoutOStore{}, Shape<typename T::OStoreRows, typename T::TileD>{}, _1{}),
       lq.shape(),
       lk.shape(),
       p.lse,

@@ -27,8 +27,9 @@ namespace fa2 {
 
 using namespace cute;
 
-// Named barrier ids (CUTLASS's NamedBarrier adds its reserved offset).
-enum : int { kBarrierEpilogue = 0, kBarrierSchedule = 1 /* + consumer warpgroup index */ };
+// Named barrier ids (CUTLASS's NamedBarrier adds its reserved offset; 8 are left to us). The epilogue's is per
+// consumer warpgroup in persistent kernels (epilogue_sm90.hpp), shared by all consumers otherwise.
+enum : int { kBarrierSchedule = 0 /* + consumer warpgroup index */, kBarrierEpilogue = 3 /* + warpgroup */ };
 
 template <DType Dt> struct ElementOf;
 template <> struct ElementOf<DType::kBF16> { using type = cutlass::bfloat16_t; };
@@ -99,7 +100,15 @@ struct KernelTraits {
   // V seen as the (D, N) B operand of P.V: head dim is the MN-major (contiguous) mode.
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{}, make_ordered_layout(Shape<TileD, TileN, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  using SmemLayoutO = SmemLayoutQ;  // staged in its own buffer (persistent) or in Q's once Q is no longer read
+  // O is staged in its own buffer (persistent kernels) or in Q's once Q is no longer read. Its own buffer
+  // holds one 64-row block per consumer warpgroup, each stored by the warpgroup's own TMA copy, so that
+  // a warpgroup's epilogue waits for no other; in Q's buffer the rows of a warpgroup are not one block
+  // (Q's layout tiles rows first), and all consumers store together.
+  using SmemLayoutOWarpgroup = decltype(tile_to_shape(SmemAtom{}, Shape<_64, TileD>{}));
+  using SmemLayoutO = std::conditional_t<kPersistent,
+      decltype(tile_to_shape(SmemLayoutOWarpgroup{}, Shape<TileM, TileD>{})), SmemLayoutQ>;
+  using OStoreRows = std::conditional_t<kPersistent, _64, TileM>;  // rows per TMA store
+  using SmemLayoutOStore = std::conditional_t<kPersistent, SmemLayoutOWarpgroup, SmemLayoutQ>;
 
   // Global views: (seq, head_dim, head, batch) with runtime strides, head dim contiguous.
   using GShape = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -114,7 +123,7 @@ struct KernelTraits {
       take<0, 2>(SmemLayoutK{}), Shape<TileN, TileD>{}, _1{}));
   using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{},
       make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GLayout{}),
-      SmemLayoutO{}, Shape<TileM, TileD>{}, _1{}));
+      SmemLayoutOStore{}, Shape<OStoreRows, TileD>{}, _1{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
