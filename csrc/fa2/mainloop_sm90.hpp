@@ -27,8 +27,8 @@ namespace fa2 {
 
 using namespace cute;
 
-// Named barrier ids (CUTLASS's NamedBarrier adds its reserved offset; 8 are left to us). The epilogue's is per
-// consumer warpgroup in persistent kernels (epilogue_sm90.hpp), shared by all consumers otherwise.
+// Named barrier ids (CUTLASS's NamedBarrier adds its reserved offset; 8 are left to us), each per consumer
+// warpgroup: the ping-pong turns and the epilogue's (epilogue_sm90.hpp).
 enum : int { kBarrierSchedule = 0 /* + consumer warpgroup index */, kBarrierEpilogue = 3 /* + warpgroup */ };
 
 template <DType Dt> struct ElementOf;
