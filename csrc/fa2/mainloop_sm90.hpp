@@ -290,8 +290,8 @@ CUTE_DEVICE void mask_scores(const KernelArgs<Traits>& args, TensorS& s_rc, cons
 
 // Producer: one thread issues every TMA copy of a tile; K and V of a block go to the same stage of
 // two pipelines so that S = Q.K^T can start while V is still in flight. Q comes in one 64-row block per
-// consumer warpgroup, each on its own barrier. `q_loads`: the tiles whose Q this CTA loaded before (a
-// warpgroup's Q block is free once barrier_q_free says so). A tile without key blocks loads Q alone
+// consumer warpgroup, each on its own barriers. `q_loads`: the tiles whose Q this CTA loaded before (a
+// warpgroup's Q block is free once its barrier_q_free says so). A tile without key blocks loads Q alone
 // (kQEveryTile kernels; the others skip such tiles).
 template <class Traits>
 CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
@@ -317,22 +317,26 @@ CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::
                                     group_modes<0, 2>(gK));
   auto [tVgV, tVsV] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
                                     group_modes<0, 2>(gV));
-  auto load_q = [&]() {
-    CUTE_UNROLL
-    for (int w = 0; w < T::kConsumerWarpgroups; ++w) {
-      Tensor sQw = make_tensor(make_smem_ptr(smem.q.data() + w * T::kWarpgroupRowsElems),
-                               typename T::SmemLayoutWarpgroupRows{});
-      auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQw),
-                                        group_modes<0, 2>(gQ));
-      auto& bar_q = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q[w]);
-      auto& bar_q_free = *reinterpret_cast<cutlass::arch::ClusterBarrier*>(&smem.barrier_q_free[w]);
-      if (q_loads > 0) bar_q_free.wait((q_loads - 1) % 2);
-      bar_q.arrive_and_expect_tx(T::kBytesQWarpgroup);
-      copy(args.tma_q.with(smem.barrier_q[w], 0), tQgQ(_, tile.m_block * T::kConsumerWarpgroups + w), tQsQ);
-    }
+  auto load_q = [&](int w) {
+    Tensor sQw = make_tensor(make_smem_ptr(smem.q.data() + w * T::kWarpgroupRowsElems),
+                             typename T::SmemLayoutWarpgroupRows{});
+    auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQw), group_modes<0, 2>(gQ));
+    auto& bar_q = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q[w]);
+    auto& bar_q_free = *reinterpret_cast<cutlass::arch::ClusterBarrier*>(&smem.barrier_q_free[w]);
+    if (q_loads > 0) bar_q_free.wait((q_loads - 1) % 2);
+    bar_q.arrive_and_expect_tx(T::kBytesQWarpgroup);
+    copy(args.tma_q.with(smem.barrier_q[w], 0), tQgQ(_, tile.m_block * T::kConsumerWarpgroups + w), tQsQ);
+  };
+  // The other warpgroups' Q blocks: a warpgroup that stages O in its Q block frees it only after its store,
+  // which the first warpgroup should not wait behind; they are issued once the first stages' K and V are
+  // (before any stage that those warpgroups must release first: no deadlock).
+  auto load_other_q = [&]() {
+#pragma unroll 1
+    for (int w = 1; w < T::kConsumerWarpgroups; ++w) load_q(w);
   };
   if (blocks.count == 0) {
-    load_q();
+    load_q(0);
+    load_other_q();
     return;
   }
 
@@ -341,11 +345,12 @@ CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::
   int n = Blocks::block(blocks.entry(0));
   pipe_k.producer_acquire(write);
   copy(args.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, n), tKsK(_, write.index()));
-  load_q();
+  load_q(0);
   pipe_v.producer_acquire(write);
   copy(args.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, n), tVsV(_, write.index()));
   ++write;
   for (int i = 1; i < blocks.count; ++i) {
+    if (i == T::kStages) load_other_q();
     n = Blocks::block(blocks.entry(i));  // loaded before the wait for a free stage
     pipe_k.producer_acquire(write);
     copy(args.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, n), tKsK(_, write.index()));
@@ -353,6 +358,7 @@ CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::
     copy(args.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, n), tVsV(_, write.index()));
     ++write;
   }
+  if (blocks.count <= T::kStages) load_other_q();
 }
 
 // One warpgroup-wide GEMM: issue, commit, optionally wait until at most kWait groups remain.
