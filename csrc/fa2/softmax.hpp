@@ -49,7 +49,7 @@ CUTE_DEVICE float quad_sum(float x) {
 // The running max a row keeps until a block's scores exceed it by more than this many powers of two (in
 // the exponent's units): P then stays below 2^kRescaleThreshold, harmless in float32 sums and in the
 // 16-bit P (bf16's range is float32's; fp16 holds up to 65504), and while every row of a warp keeps its
-// max the warp skips O's rescale (D/4 to D/2 multiplies per thread and key block). 0 rescales whenever
+// max the warp skips O's rescale (D/2 multiplies per thread and key block). 0 rescales whenever
 // a max grows, with the bits of an always-rescaling softmax.
 #ifndef FA2_RESCALE_THRESHOLD
 #define FA2_RESCALE_THRESHOLD 8
