@@ -140,6 +140,7 @@ __device__ __forceinline__ uint32_t smem_address(const void* p) {
 struct Plan {
   int groups = 1;            // query heads per KV head
   int row_tiles = 1;         // 16-row tiles per (batch, KV head)
+  int64_t ctas = 0;          // split-kernel CTAs per split: batch * KV heads * row tiles
   int num_blocks = 0;        // blocks of Config::kBlockN keys
   int splits = 1;             // blocks dealt out (see the split kernel), at most kMaxBlocksPerSplit each where scanned
   int64_t partial_rows = 0;  // B * Hq * Sq
@@ -719,12 +720,12 @@ Plan make_plan(const FwdParams& p) {
   plan.groups = p.heads_q / p.heads_kv;
   plan.row_tiles = (plan.groups * p.seqlen_q + kRows - 1) / kRows;
   plan.num_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
-  const int64_t ctas = int64_t(p.batch) * p.heads_kv * plan.row_tiles;
+  plan.ctas = int64_t(p.batch) * p.heads_kv * plan.row_tiles;
   const int64_t slots = int64_t(sm_count()) * resident_ctas_per_sm<HeadDim, Dt>();
   const int forced = forced_splits();
   const int max_blocks_per_split = sees_every_block(p) ? std::max(1, plan.num_blocks) : kMaxBlocksPerSplit;
   plan.splits = forced > 0 ? whole_splits(forced, plan.num_blocks, max_blocks_per_split)
-                           : choose_splits(ctas, plan.num_blocks, slots, max_blocks_per_split);
+                           : choose_splits(plan.ctas, plan.num_blocks, slots, max_blocks_per_split);
   plan.partial_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   // One split writes out and lse itself: partial rows only for the combine.
   const int64_t floats = plan.splits == 1 ? 0 : int64_t(plan.splits) * plan.partial_rows * (p.head_dim + 2);
@@ -751,7 +752,7 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
   Args args{p, make_plan<HeadDim, Dt>(p), nullptr, nullptr, nullptr, softcap.in, softcap.out};
   const Plan& plan = args.plan;
   if (plan.workspace_bytes > 0 && workspace == nullptr) return cudaErrorInvalidValue;
-  if (plan.splits > kMaxGridDim || int64_t(p.batch) * p.heads_kv * plan.row_tiles > 0x7fffffff ||
+  if (plan.splits > kMaxGridDim || plan.ctas > 0x7fffffff ||
       plan.partial_rows > 0x7fffffff) {  // the combine's grid: a CTA per row
     return cudaErrorInvalidConfiguration;
   }
@@ -760,14 +761,12 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
     args.max_partial = args.o_partial + int64_t(plan.splits) * plan.partial_rows * p.head_dim;
     args.sum_partial = args.max_partial + int64_t(plan.splits) * plan.partial_rows;
   }
-  const int64_t ctas = int64_t(p.batch) * p.heads_kv * plan.row_tiles;
-
   auto kernel = &decode_split_kernel<HeadDim, Dt>;
   constexpr int smem_bytes = Smem<HeadDim, Dt>::kBytes;
   static_assert(smem_bytes <= 227 * 1024, "decode tile too large for shared memory");
   cudaError_t err = allow_dynamic_smem<&decode_split_kernel<HeadDim, Dt>>(smem_bytes);
   if (err != cudaSuccess) return err;
-  dim3 grid(unsigned(ctas), unsigned(plan.splits));
+  dim3 grid(unsigned(plan.ctas), unsigned(plan.splits));
   kernel<<<grid, Config<HeadDim>::kThreads, smem_bytes, stream>>>(args);
   err = cudaGetLastError();
   if (err != cudaSuccess || plan.splits == 1) return err;

@@ -1,6 +1,9 @@
-// Epilogue: normalise O, stage it through shared memory (stmatrix), store it with one TMA
-// copy (rows past seqlen_q are clipped by the tensor map), and write the LSE rows. A persistent CTA
-// waits for the store lazily: before the next tile's O is staged, and before it exits (consumer_tiles).
+// Epilogue: normalise O, stage it through shared memory (stmatrix), store it with TMA (rows past
+// seqlen_q are clipped by the tensor map), and write the LSE rows. Each consumer warpgroup stages and
+// stores its own 64-row block, behind barriers of its own 128 threads: warpgroups that run staggered
+// (ping-pong) never wait for each other. With an O buffer of its own (kOwnOBuffer) a warpgroup waits for
+// its previous store lazily (before its next O is staged, and before it exits: consumer_tiles); with O
+// staged in its Q block it waits at once, then frees the block for the next tile's Q.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -20,15 +23,16 @@ CUTE_DEVICE void epilogue_store(const KernelArgs<Traits>& args, typename Traits:
   using Element = typename T::Element;
   typename T::TiledMmaPV mma_pv;
 
+  const int wg = tid / 128;
+  const bool leader = tid % 128 == 0;  // issues and waits for the warpgroup's store
   Element* o_buffer;
-  if constexpr (T::kPersistent) {
+  if constexpr (T::kOwnOBuffer) {
     o_buffer = smem.o.data();
-    // The previous tile's store must have read the buffer before it is written again.
-    if (tid == 0) tma_store_wait<0>();
-    cutlass::arch::NamedBarrier::sync(T::kConsumerThreads, kBarrierEpilogue);
+    // The warpgroup's previous store must have read its block before it is written again.
+    if (leader) tma_store_wait<0>();
+    cutlass::arch::NamedBarrier::sync(128, kBarrierEpilogue + wg);
   } else {
-    // Each warpgroup writes only the O rows it computed, i.e. the Q rows only its own (already
-    // completed) S GEMMs read, so reusing the Q buffer needs no barrier before these stores.
+    // The Q block is the warpgroup's own: only its S GEMMs (complete) read it.
     o_buffer = smem.q.data();
   }
   Tensor sO = make_tensor(make_smem_ptr(o_buffer), typename T::SmemLayoutO{});
@@ -38,17 +42,27 @@ CUTE_DEVICE void epilogue_store(const KernelArgs<Traits>& args, typename Traits:
   auto thr_copy = smem_copy.get_thread_slice(tid);
   Tensor tRrO = thr_copy.retile_S(rO);
   Tensor tRsO = thr_copy.partition_D(sO);
-  copy(smem_copy, tRrO, tRsO);
+  copy(smem_copy, tRrO, tRsO);  // each thread's rows lie in its warpgroup's block
   cutlass::arch::fence_view_async_shared();  // make st.shared visible to the TMA engine
-  cutlass::arch::NamedBarrier::sync(T::kConsumerThreads, kBarrierEpilogue);
+  cutlass::arch::NamedBarrier::sync(128, kBarrierEpilogue + wg);
 
-  if (tid == 0) {
-    Tensor mO = args.tma_o.get_tma_tensor(args.shape_q);
-    Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<typename T::TileM, typename T::TileD>{},
-                           make_coord(tile.m_block, _0{}));
-    auto thr_tma = args.tma_o.get_slice(_0{});
-    copy(args.tma_o, thr_tma.partition_S(sO), thr_tma.partition_D(gO));
-    tma_store_arrive();
+  if (leader) {
+    const int block = tile.m_block * T::kConsumerWarpgroups + wg;  // 64-row blocks
+    if (block * 64 < args.seqlen_q) {
+      Tensor sOw = make_tensor(make_smem_ptr(o_buffer + wg * T::kWarpgroupRowsElems),
+                               typename T::SmemLayoutWarpgroupRows{});
+      Tensor mO = args.tma_o.get_tma_tensor(args.shape_q);
+      Tensor gO = local_tile(mO(_, _, tile.head, tile.batch), Shape<_64, typename T::TileD>{}, make_coord(block, _0{}));
+      auto thr_tma = args.tma_o.get_slice(_0{});
+      copy(args.tma_o, thr_tma.partition_S(sOw), thr_tma.partition_D(gO));
+      tma_store_arrive();
+    }
+    if constexpr (!T::kOwnOBuffer) {
+      tma_store_wait<0>();  // O has left the Q block (and shared memory may end with the CTA)
+      if constexpr (T::kPersistent) {
+        reinterpret_cast<cutlass::arch::ClusterBarrier*>(&smem.barrier_q_free[wg])->arrive();
+      }
+    }
   }
 
   // LSE: the thread holding column pair 0 of each quad writes its two rows.
@@ -64,7 +78,6 @@ CUTE_DEVICE void epilogue_store(const KernelArgs<Traits>& args, typename Traits:
       if (row < args.seqlen_q) lse_ptr[row] = lse[r];
     }
   }
-  if (!T::kPersistent && tid == 0) tma_store_wait<0>();  // keep shared memory alive until the store has read it
 }
 
 }  // namespace fa2

@@ -37,6 +37,13 @@ CUTE_DEVICE bool tile_runs(const KernelArgs<Traits>& args, TileCoord tile) {
   }
 }
 
+// Whether a tile that runs loads Q: every one where the epilogue stages O in the Q blocks of a
+// persistent CTA (the blocks must be free when the epilogue writes them), else those with key blocks.
+template <class Traits>
+CUTE_DEVICE bool loads_q(const KeyBlocks<Traits>& blocks) {
+  return Traits::kQEveryTile || blocks.count > 0;
+}
+
 // The producer warp of a persistent CTA: every lane walks the tiles, lane 0 issues the loads.
 template <class Traits>
 CUTE_DEVICE void producer_tiles(const KernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
@@ -49,7 +56,7 @@ CUTE_DEVICE void producer_tiles(const KernelArgs<Traits>& args, typename Traits:
     const TileCoord tile = tiles.coord(t);
     if (!tile_runs<T, false>(args, tile)) continue;
     const KeyBlocks<T> blocks = key_blocks<T>(args, tile);
-    if (blocks.count == 0) continue;  // no key at all: the consumers write O = 0 without Q
+    if (!loads_q<T>(blocks)) continue;  // no key at all: the consumers write O = 0 without Q
     if (threadIdx.x == 0) producer_load<T>(args, smem, pipe_k, pipe_v, write, q_loads, tile, blocks);
     __syncwarp();
     ++q_loads;
@@ -64,9 +71,11 @@ CUTE_DEVICE void consumer_tile(const KernelArgs<Traits>& args, typename Traits::
                                TileCoord tile, const KeyBlocks<Traits>& blocks) {
   using T = Traits;
   clear(tOrO);
-  OnlineSoftmax<2> softmax(args.scale);
+  OnlineSoftmax<2, T::Config::kLazyRescale> softmax(args.scale);
   if (blocks.count > 0) {
     consumer_mainloop<T>(args, smem, pipe_k, pipe_v, read, q_loads, tOrO, softmax, tid, tile, blocks);
+  } else if constexpr (T::kQEveryTile) {  // no key at all: O = 0 and LSE = -inf, staged where Q has landed
+    reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q[tid / 128])->wait(q_loads % 2);
   }  // else no key at all: O = 0 and LSE = -inf (Q was never loaded).
   float lse[2];
   Tensor o_rc = as_rowcol(tOrO);
@@ -99,7 +108,7 @@ CUTE_DEVICE void consumer_tiles(const KernelArgs<Traits>& args, typename Traits:
       if (!tile_runs<T, false>(args, tile)) continue;
       const KeyBlocks<T> blocks = key_blocks<T>(args, tile);
       consumer_tile<T>(args, smem, pipe_k, pipe_v, read, q_loads, tOrO, tid, tile, blocks);
-      q_loads += blocks.count > 0;
+      q_loads += loads_q<T>(blocks);
     }
   } else {
     consumer_tile<T>(args, smem, pipe_k, pipe_v, read, 0, tOrO, tid, one_tile, one_tile_blocks);
@@ -108,7 +117,8 @@ CUTE_DEVICE void consumer_tiles(const KernelArgs<Traits>& args, typename Traits:
   if constexpr (T::kPingPong) {
     if (wg == 0) cutlass::arch::NamedBarrier::sync(T::kConsumerThreads, kBarrierSchedule + 0);
   }
-  if (T::kPersistent && tid == 0) tma_store_wait<0>();  // shared memory lives until the last store has read it
+  // Shared memory lives until the warpgroup's last store has read it.
+  if (T::kPersistent && tid % 128 == 0) tma_store_wait<0>();
 }
 
 template <class Traits>
@@ -140,8 +150,11 @@ fwd_kernel_sm90(CUTE_GRID_CONSTANT const KernelArgs<Traits> args) {
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_o.get_tma_descriptor());
-    reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q)->init(1);
-    reinterpret_cast<cutlass::arch::ClusterBarrier*>(&smem.barrier_q_free)->init(T::kConsumerThreads);
+    for (int w = 0; w < T::kConsumerWarpgroups; ++w) {
+      reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q[w])->init(1);
+      // All the warpgroup's threads after its last S GEMM, or its epilogue's storing thread (O in the block).
+      reinterpret_cast<cutlass::arch::ClusterBarrier*>(&smem.barrier_q_free[w])->init(T::kOwnOBuffer ? 128 : 1);
+    }
   }
 
   typename T::Pipeline::Params pipe_params;

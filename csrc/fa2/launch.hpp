@@ -84,13 +84,13 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const bool causal = T::kMask == MaskKind::kBool ? p.causal : T::kCausal;  // see causal_positions
   KernelArgs<T> args{
       make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q)), lq),
-                    typename T::SmemLayoutQ{}, Shape<typename T::TileM, typename T::TileD>{}, _1{}),
+                    typename T::SmemLayoutWarpgroupRows{}, Shape<_64, typename T::TileD>{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k)), lk),
                     take<0, 2>(typename T::SmemLayoutK{}), Shape<typename T::TileN, typename T::TileD>{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v)), lv),
                     take<0, 2>(typename T::SmemLayoutV{}), Shape<typename T::TileN, typename T::TileD>{}, _1{}),
       make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(static_cast<Element*>(p.o)), lo),
-                    typename T::SmemLayoutO{}, Shape<typename T::TileM, typename T::TileD>{}, _1{}),
+                    typename T::SmemLayoutWarpgroupRows{}, Shape<_64, typename T::TileD>{}, _1{}),
       lq.shape(),
       lk.shape(),
       p.lse,

@@ -27,8 +27,9 @@ namespace fa2 {
 
 using namespace cute;
 
-// Named barrier ids (CUTLASS's NamedBarrier adds its reserved offset).
-enum : int { kBarrierEpilogue = 0, kBarrierSchedule = 1 /* + consumer warpgroup index */ };
+// Named barrier ids (CUTLASS's NamedBarrier adds its reserved offset; 8 are left to us), each per consumer
+// warpgroup: the ping-pong turns and the epilogue's (epilogue_sm90.hpp).
+enum : int { kBarrierSchedule = 0 /* + consumer warpgroup index */, kBarrierEpilogue = 3 /* + warpgroup */ };
 
 template <DType Dt> struct ElementOf;
 template <> struct ElementOf<DType::kBF16> { using type = cutlass::bfloat16_t; };
@@ -93,13 +94,27 @@ struct KernelTraits {
   // of 64 elements, else 64-byte ones (D = 96: three per row).
   using SmemAtom = std::conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
                                       GMMA::Layout_K_SW64_Atom<Element>>;
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<TileM, TileD>{}));
+  // Q (and O) hold one 64-row block per consumer warpgroup: each warpgroup's Q is loaded, read and
+  // overwritten by its O on barriers of its own, so warpgroups that run staggered (ping-pong) never wait
+  // for each other between tiles.
+  using SmemLayoutWarpgroupRows = decltype(tile_to_shape(SmemAtom{}, Shape<_64, TileD>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutWarpgroupRows{}, Shape<TileM, TileD>{}));
   using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<TileN, TileD, Int<kStages>>{}));
   using SmemLayoutV = SmemLayoutK;
   // V seen as the (D, N) B operand of P.V: head dim is the MN-major (contiguous) mode.
   using SmemLayoutVt = decltype(composition(
       SmemLayoutV{}, make_ordered_layout(Shape<TileD, TileN, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  using SmemLayoutO = SmemLayoutQ;  // staged in its own buffer (persistent) or in Q's once Q is no longer read
+  using SmemLayoutO = SmemLayoutQ;
+  static constexpr int kWarpgroupRowsElems = cosize_v<SmemLayoutWarpgroupRows>;
+  // A persistent kernel stages O in a buffer of its own where shared memory has room, so that the next
+  // tile's Q loads while O is stored; elsewhere a warpgroup stages O in its own Q block, and its next Q
+  // waits until that store has read the block.
+  static constexpr bool kOwnOBuffer =
+      kPersistent && (2 * cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutK> + cosize_v<SmemLayoutV>) * sizeof(Element) +
+                             1024 <= 227 * 1024;
+  // With O in the Q block, every tile that runs loads Q, keys or not: its epilogue writes the block, so the
+  // block must cycle through the same load and release as every other tile's.
+  static constexpr bool kQEveryTile = kPersistent && !kOwnOBuffer;
 
   // Global views: (seq, head_dim, head, batch) with runtime strides, head dim contiguous.
   using GShape = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -108,30 +123,32 @@ struct KernelTraits {
 
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{},
       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GLayout{}),
-      SmemLayoutQ{}, Shape<TileM, TileD>{}, _1{}));
+      SmemLayoutWarpgroupRows{}, Shape<_64, TileD>{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{},
       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GLayout{}),
       take<0, 2>(SmemLayoutK{}), Shape<TileN, TileD>{}, _1{}));
   using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{},
       make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GLayout{}),
-      SmemLayoutO{}, Shape<TileM, TileD>{}, _1{}));
+      SmemLayoutWarpgroupRows{}, Shape<_64, TileD>{}, _1{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
 
-  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesQWarpgroup = 64 * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
   struct NoBuffer {};
   struct SharedStorage {
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;  // also O in the epilogue unless kPersistent
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;  // also O in the epilogue unless kOwnOBuffer
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
-    std::conditional_t<kPersistent, cute::array_aligned<Element, cosize_v<SmemLayoutO>, 1024>, NoBuffer> o;
+    std::conditional_t<kOwnOBuffer, cute::array_aligned<Element, cosize_v<SmemLayoutO>, 1024>, NoBuffer> o;
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
-    alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_q;  // Q loaded
-    alignas(8) cutlass::arch::ClusterBarrier::ValueType barrier_q_free;          // every consumer done reading Q
+    // Per consumer warpgroup: its Q block loaded; its Q block free again (its last S GEMM has read it, or,
+    // with O staged there, its store has read O).
+    alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_q[kConsumerWarpgroups];
+    alignas(8) cutlass::arch::ClusterBarrier::ValueType barrier_q_free[kConsumerWarpgroups];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile config exceeds shared memory");
@@ -272,8 +289,10 @@ CUTE_DEVICE void mask_scores(const KernelArgs<Traits>& args, TensorS& s_rc, cons
 }
 
 // Producer: one thread issues every TMA copy of a tile; K and V of a block go to the same stage of
-// two pipelines so that S = Q.K^T can start while V is still in flight. `q_loads`: the tiles whose Q
-// this CTA loaded before (Q's buffer is free once the consumers have read the last one).
+// two pipelines so that S = Q.K^T can start while V is still in flight. Q comes in one 64-row block per
+// consumer warpgroup, each on its own barriers. `q_loads`: the tiles whose Q this CTA loaded before (a
+// warpgroup's Q block is free once its barrier_q_free says so). A tile without key blocks loads Q alone
+// (kQEveryTile kernels; the others skip such tiles).
 template <class Traits>
 CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                                typename Traits::Pipeline& pipe_k, typename Traits::Pipeline& pipe_v,
@@ -281,7 +300,6 @@ CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::
                                const KeyBlocks<Traits>& blocks) {
   using T = Traits;
   const int head = tile.head, batch = tile.batch;
-  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutV{});
 
@@ -289,35 +307,50 @@ CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::
   Tensor mQ = args.tma_q.get_tma_tensor(args.shape_q);
   Tensor mK = args.tma_k.get_tma_tensor(args.shape_kv);
   Tensor mV = args.tma_v.get_tma_tensor(args.shape_kv);
-  Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<typename T::TileM, typename T::TileD>{},
-                         make_coord(tile.m_block, _0{}));
+  Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<_64, typename T::TileD>{}, make_coord(_, _0{}));  // (64, D, blocks)
   Tensor gK = local_tile(mK(_, _, head_kv, batch), Shape<typename T::TileN, typename T::TileD>{},
                          make_coord(_, _0{}));  // (N, D, n_blocks)
   Tensor gV = local_tile(mV(_, _, head_kv, batch), Shape<typename T::TileN, typename T::TileD>{},
                          make_coord(_, _0{}));
 
-  auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                    group_modes<0, 2>(gQ));
   auto [tKgK, tKsK] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
                                     group_modes<0, 2>(gK));
   auto [tVgV, tVsV] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
                                     group_modes<0, 2>(gV));
-
-  auto& bar_q = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q);
-  auto& bar_q_free = *reinterpret_cast<cutlass::arch::ClusterBarrier*>(&smem.barrier_q_free);
+  auto load_q = [&](int w) {
+    Tensor sQw = make_tensor(make_smem_ptr(smem.q.data() + w * T::kWarpgroupRowsElems),
+                             typename T::SmemLayoutWarpgroupRows{});
+    auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQw), group_modes<0, 2>(gQ));
+    auto& bar_q = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q[w]);
+    auto& bar_q_free = *reinterpret_cast<cutlass::arch::ClusterBarrier*>(&smem.barrier_q_free[w]);
+    if (q_loads > 0) bar_q_free.wait((q_loads - 1) % 2);
+    bar_q.arrive_and_expect_tx(T::kBytesQWarpgroup);
+    copy(args.tma_q.with(smem.barrier_q[w], 0), tQgQ(_, tile.m_block * T::kConsumerWarpgroups + w), tQsQ);
+  };
+  // The other warpgroups' Q blocks: a warpgroup that stages O in its Q block frees it only after its store,
+  // which the first warpgroup should not wait behind; they are issued once the first stages' K and V are
+  // (before any stage that those warpgroups must release first: no deadlock).
+  auto load_other_q = [&]() {
+#pragma unroll 1
+    for (int w = 1; w < T::kConsumerWarpgroups; ++w) load_q(w);
+  };
+  if (blocks.count == 0) {
+    load_q(0);
+    load_other_q();
+    return;
+  }
 
   // K of the first block, then Q, then V: the first S GEMM needs only Q and K.
   using Blocks = KeyBlocks<T>;
   int n = Blocks::block(blocks.entry(0));
   pipe_k.producer_acquire(write);
   copy(args.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, n), tKsK(_, write.index()));
-  if (q_loads > 0) bar_q_free.wait((q_loads - 1) % 2);
-  bar_q.arrive_and_expect_tx(T::kBytesQ);
-  copy(args.tma_q.with(smem.barrier_q, 0), tQgQ, tQsQ);
+  load_q(0);
   pipe_v.producer_acquire(write);
   copy(args.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, n), tVsV(_, write.index()));
   ++write;
   for (int i = 1; i < blocks.count; ++i) {
+    if (i == T::kStages) load_other_q();
     n = Blocks::block(blocks.entry(i));  // loaded before the wait for a free stage
     pipe_k.producer_acquire(write);
     copy(args.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, n), tKsK(_, write.index()));
@@ -325,6 +358,7 @@ CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::
     copy(args.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, n), tVsV(_, write.index()));
     ++write;
   }
+  if (blocks.count <= T::kStages) load_other_q();
 }
 
 // One warpgroup-wide GEMM: issue, commit, optionally wait until at most kWait groups remain.
@@ -402,8 +436,12 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
 
   const int m0 = tile.m_block * T::kBlockM;
 
-  auto& bar_q = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q);
-  auto& bar_q_free = *reinterpret_cast<cutlass::arch::ClusterBarrier*>(&smem.barrier_q_free);
+  const int wg = tid / 128;
+  auto& bar_q = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q[wg]);
+  auto& bar_q_free = *reinterpret_cast<cutlass::arch::ClusterBarrier*>(&smem.barrier_q_free[wg]);
+  // The warpgroup's last S GEMM has read its Q block: with O staged elsewhere, the producer may load the
+  // next tile's (with O staged in the block, the epilogue frees it once O is stored).
+  constexpr bool kFreeQAfterLastS = T::kOwnOBuffer;
 
   // First (highest) key block: always masked when needed, no rescale.
   constexpr bool kScaled = T::kMask == MaskKind::kAdditive;  // softmax on pre-scaled scores
@@ -415,7 +453,6 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
   // Only bool-mask kernels carry bits (whose rows take whole 64-key words).
   std::conditional_t<T::kMask == MaskKind::kBool, MaskBitsFragment<T::kBlockN, kRows>, NoMaskBits> mask_bits;
   load_mask_bits<T>(args, mask_bits, c_rc, entry, m0, head, batch);
-  const int wg = tid / 128;
   auto turn_wait = [&]() {
     if constexpr (T::kPingPong) cutlass::arch::NamedBarrier::sync(T::kConsumerThreads, kBarrierSchedule + wg);
   };
@@ -432,8 +469,7 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
   turn_pass();
   warpgroup_wait<0>();
   warpgroup_fence_operand(tSrS);
-  // The tile's last S GEMM has read Q: a persistent CTA's producer may load the next tile's.
-  if (T::kPersistent && blocks.count == 1) bar_q_free.arrive();
+  if (kFreeQAfterLastS && blocks.count == 1) bar_q_free.arrive();
   pipe_k.consumer_release(read);
   mask_scores<T>(args, s_rc, c_rc, entry, mask_bits, m0, head, batch);
   softmax.template update<true, kScaled>(s_rc, correction);
@@ -453,7 +489,7 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
     turn_pass();
     warpgroup_wait<1>();  // S of block n is ready; P.V of the previous block may still run
     warpgroup_fence_operand(tSrS);
-    if (T::kPersistent && i + 1 == blocks.count) bar_q_free.arrive();
+    if (kFreeQAfterLastS && i + 1 == blocks.count) bar_q_free.arrive();
     pipe_k.consumer_release(read);
     mask_scores<T>(args, s_rc, c_rc, entry, mask_bits, m0, head, batch);
     softmax.template update<false, kScaled>(s_rc, correction);

@@ -46,7 +46,17 @@ CUTE_DEVICE float quad_sum(float x) {
   return x;
 }
 
-template <int kRows>
+// With kLazyRescale (tile_config.h says which head dims), the running max a row keeps until a block's scores
+// exceed it by more than this many powers of two (in the exponent's units): P then stays below
+// 2^kRescaleThreshold, harmless in float32 sums and in the 16-bit P (bf16's range is float32's; fp16 holds up
+// to 65504), and while every row of a warp keeps its max the warp skips O's rescale (D/2 multiplies per thread
+// and key block). 0 rescales whenever a max grows, with the bits of an always-rescaling softmax.
+#ifndef FA2_RESCALE_THRESHOLD
+#define FA2_RESCALE_THRESHOLD 8
+#endif
+constexpr float kRescaleThreshold = FA2_RESCALE_THRESHOLD;
+
+template <int kRows, bool kLazyRescale>
 struct OnlineSoftmax {
   float row_max[kRows];  // running max of raw scores (before scaling), -inf when none seen
   float row_sum[kRows];  // per-thread partial sum of exp; reduced over the quad at the end
@@ -72,13 +82,16 @@ struct OnlineSoftmax {
         CUTE_UNROLL
         for (int c = 0; c < size<1>(s_rc); ++c) m = fmaxf(m, s_rc(r, c));
         m = quad_max(m);
-        const float m_off = (m == -INFINITY) ? 0.f : m;
         if constexpr (kFirst) {
           correction[r] = 1.f;
+          row_max[r] = m;
+        } else if (kLazyRescale && (m - row_max[r]) * float(M_LOG2E) <= kRescaleThreshold) {  // NaN: rescale
+          correction[r] = 1.f;
         } else {
-          correction[r] = exp2f((row_max[r] - m_off) * float(M_LOG2E));
+          correction[r] = exp2f((row_max[r] - (m == -INFINITY ? 0.f : m)) * float(M_LOG2E));
+          row_max[r] = m;
         }
-        row_max[r] = m;
+        const float m_off = (row_max[r] == -INFINITY) ? 0.f : row_max[r];
         float sum = 0.f;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(s_rc); ++c) {
@@ -95,14 +108,17 @@ struct OnlineSoftmax {
         CUTE_UNROLL
         for (int c = 0; c < size<1>(s_rc); ++c) m = fmaxf(m, s_rc(r, c));
         m = quad_max(m);
-        // A row with nothing visible yet keeps max -inf; use 0 as the offset so exp2 gives 0.
-        const float m_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
         if constexpr (kFirst) {
           correction[r] = 1.f;
+          row_max[r] = m;
+        } else if (kLazyRescale && (m - row_max[r]) * scale_log2 <= kRescaleThreshold) {  // NaN: rescale
+          correction[r] = 1.f;
         } else {
-          correction[r] = exp2f(row_max[r] * scale_log2 - m_scaled);
+          correction[r] = exp2f(row_max[r] * scale_log2 - (m == -INFINITY ? 0.f : m * scale_log2));
+          row_max[r] = m;
         }
-        row_max[r] = m;
+        // A row with nothing visible yet keeps max -inf; use 0 as the offset so exp2 gives 0.
+        const float m_scaled = (row_max[r] == -INFINITY) ? 0.f : row_max[r] * scale_log2;
         float sum = 0.f;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(s_rc); ++c) {
@@ -115,8 +131,15 @@ struct OnlineSoftmax {
     }
   }
 
+  // With kLazyRescale, skipped by a warp none of whose rows changed its max (correction 1 keeps the bits).
   template <class TensorO>
   CUTE_DEVICE void rescale(TensorO& o_rc, const float (&correction)[kRows]) {
+    if constexpr (kLazyRescale) {
+      bool changed = false;
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) changed |= correction[r] != 1.f;
+      if (!__any_sync(0xffffffffu, changed)) return;
+    }
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       CUTE_UNROLL

@@ -103,6 +103,26 @@ def test_forward_custom_scale_and_large_values(d):
     check_forward(q * 4, k * 4, v, False, scale=0.3)
 
 
+@pytest.mark.parametrize("growth", [0.05, 1.0], ids=["below_threshold", "above_threshold"])
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_forward_row_max_growing_across_key_blocks(d, dt, is_causal, growth):
+    """Scores that rise by `growth` powers of two per key towards the first keys, which the kernel visits
+    last: a row's max grows block after block, by less than the rescale threshold (the running max is kept
+    and P exceeds 1) or by far more (O is rescaled at every block)."""
+    needs_kernel(d, dt)
+    q, k, v = make_qkv(1, 2, 2, 200, 1000, d, DTYPES[dt], seed=int(growth * 100) + is_causal)
+    scale = 1.0 / math.sqrt(d)
+    position = torch.arange(999, -1, -1, device=DEV, dtype=torch.float64) * growth / (scale * math.log2(math.e))
+    q[..., 0] = 1.0
+    k[..., 0] = position.to(k.dtype)
+    err, _ = check_forward(q, k, v, is_causal, scale=scale)
+    # PyTorch's own error is large here (its scores are rounded to the input dtype), so the rule above is
+    # loose: the output must also be within about two units in the last place of values up to 4.
+    assert err <= (3.2e-2 if dt == "bf16" else 4e-3), f"out error {err:.3e}"
+
+
 def test_forward_empty_keys():
     d, dt = next(iter(sorted(COMPILED)))
     q, k, v = make_qkv(1, 2, 2, 5, 0, d, DTYPES[dt])
