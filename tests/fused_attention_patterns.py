@@ -8,7 +8,7 @@ named reason, and compiled must equal eager either way (tests/test_fused_attenti
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -225,8 +225,6 @@ class Pattern:
     layout: str = "bhsd"  # of q/k/v as passed: "bhsd", "bshd" (the function permutes), "flat" ([B*H, S, D])
     extras: tuple = ()  # further arguments, in order: "mask", "padding", "causal", "dropout_p"
     dtypes: tuple = (torch.float32,)  # the dtypes Inductor's own tests use for it
-    notes: str = ""
-    kwargs: dict = field(default_factory=dict)
 
 
 PATTERNS = {
