@@ -14,7 +14,7 @@ namespace fa2 {
 // run heaviest first (causal, masks) stride only up to this many query rows, one CTA per tile above.
 // Measured on the H200 (bf16 causal, 16k tokens, striding in pairs vs one CTA per tile, same run): D=64
 // 1.26x / 1.18x / 1.11x / 1.06x at 512 / 1k / 2k / 4k, 1.00x at 8k, 0.98x at 16k; D=128 1.27x / 1.19x / 1.13x
-// / 1.08x / 1.05x at 512 / 1k / 2k / 4k / 8k, 0.99x at 16k. D=96 takes D=128's limit (not measured).
+// / 1.08x / 1.05x at 512 / 1k / 2k / 4k / 8k, 0.99x at 16k. D=96/192/256 take D=128's limit (not swept).
 // kLazyRescale: a row keeps its running max within softmax.hpp's threshold and a warp whose rows all kept
 // theirs skips O's rescale (D/2 multiplies per thread and key block). Measured on the H200 (bf16, 16k tokens,
 // same run against cuDNN): D=192/256 gain 1-4% (D=256 non-causal 0.92-1.02x -> 0.95-1.07x); at D=64 the
@@ -119,7 +119,7 @@ struct TileConfig<128, Causal> {
   static constexpr bool kLazyRescale = false;
 };
 // D=192: key blocks of 64 (128 keys in two stages would not fit): Q 48 KB + three K and three V stages
-// (72 KB each); O is staged in Q's buffer, as at D=256.
+// (72 KB each); O is staged in each warpgroup's Q block, as at D=256.
 // Unmasked kernels may take blocks of any multiple of 16 keys (FlashAttention-3 takes 112 in two stages
 // here: -DFA2_TILE_N_HDIM192=112 -DFA2_STAGES_HDIM192=2, 0.62-0.74x cuDNN against 64 keys' 0.88-0.98x on
 // the H200); masked ones keep 64 keys.
