@@ -10,7 +10,7 @@
 #   env         GPU, driver, Python, torch, nvcc, setuptools, CUTLASS, test dependencies -> env.txt
 #   build       the README's build, FA2_INDUCTOR_BUILD_CUDA=1 python -m pip install -v --no-build-isolation -e .
 #               -> build.log (with the -Xptxas=-v report: pip builds in a fresh temporary folder, so every
-#               kernel is compiled and reported), ptxas.txt (registers, spills, C7510/C7512), info.txt
+#               kernel is compiled and reported), ptxas.txt (registers, spills, wgmma serialisation), info.txt
 #   gpu-tests   python -m pytest tests/gpu, each test cut after TEST_TIMEOUT_S (a hang fails that test,
 #               the stacks go to gpu_tests_hangs.txt, the run resumes after it) -> gpu_tests.log
 #   sanitize    compute-sanitizer memcheck and racecheck on scripts/sanitize_cases.py (forward) and
@@ -137,7 +137,7 @@ stage_build() {
   fi
   (( rc != 0 )) && return $rc
   grep -q "^kernel: loaded" "$RESULTS/info.txt" || return 1
-  grep -qE " 0 with spills, 0 C7510" "$RESULTS/ptxas.txt" || return 1
+  grep -qE " 0 with spills, 0 wgmma serialisation" "$RESULTS/ptxas.txt" || return 1
 }
 
 # guarded_pytest NAME PYTEST_ARGS...: pytest under the hang guard of tests/conftest.py. A test that runs past

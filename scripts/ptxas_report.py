@@ -4,8 +4,8 @@
 
 The build passes ``-Xptxas=-v`` (setup.py), so the log of
 ``FA2_INDUCTOR_BUILD_CUDA=1 pip install -v --no-build-isolation -e .`` holds one report per kernel entry.
-The first line printed is the summary; a kernel with spills, or any C7510/C7512 warning (wgmma
-serialised), is a performance bug.
+The first line printed is the summary; a kernel with spills, or any warning that ptxas serialised
+wgmma instructions (C7510, C7512, C7515, C7520, ...: each names its cause), is a performance bug.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\w+)'")
 FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 REGISTERS = re.compile(r"Used (\d+) registers")
-SERIALISED = re.compile(r"C751[02]")
+SERIALISED = re.compile(r"wgmma\.mma_async instructions are serialized")
 
 
 def kernel_reports(log: str) -> list[dict]:
@@ -67,7 +67,7 @@ def summary(reports: list[dict], serialised: int) -> str:
     registers = [r["registers"] for r in reports if r["registers"] is not None]
     span = f", {min(registers)}-{max(registers)} registers" if registers else ""
     return (f"ptxas: {len(reports)} kernel entries, {len(spilled)} with spills, "
-            f"{serialised} C7510/C7512 (wgmma serialised) warnings{span}")
+            f"{serialised} wgmma serialisation warnings{span}")
 
 
 def main() -> int:
