@@ -109,8 +109,8 @@ def test_forward_custom_scale_and_large_values(d):
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_forward_row_max_growing_across_key_blocks(d, dt, is_causal, growth):
     """Scores that rise by `growth` powers of two per key towards the first keys, which the kernel visits
-    last: a row's max grows block after block, by less than the rescale threshold (the running max is kept
-    and P exceeds 1) or by far more (O is rescaled at every block)."""
+    last: a row's max grows block after block, by less than the rescale threshold (where the softmax rescales
+    lazily, D=192/256, the running max is kept and P exceeds 1) or by far more (O is rescaled at every block)."""
     needs_kernel(d, dt)
     q, k, v = make_qkv(1, 2, 2, 200, 1000, d, DTYPES[dt], seed=int(growth * 100) + is_causal)
     scale = 1.0 / math.sqrt(d)
