@@ -61,12 +61,13 @@ def producer_ops(tiles: list[int], cfg: Config, other_q_after: int | None = None
     stage, phase = 0, 1  # a fresh pipeline's producer state: the first acquires pass
     q_loads = 0
 
-    def load_kv():
+    def load(pipe):  # K or V of a block into the current stage
+        ops.append(("wait", f"empty_{pipe}{stage}", phase))
+        ops.append(("write", f"{pipe.upper()}{stage}"))
+        ops.append(("arrive", f"full_{pipe}{stage}"))
+
+    def next_stage():
         nonlocal stage, phase
-        for pipe in "kv":
-            ops.append(("wait", f"empty_{pipe}{stage}", phase))
-            ops.append(("write", f"{pipe.upper()}{stage}"))
-            ops.append(("arrive", f"full_{pipe}{stage}"))
         stage += 1
         if stage == cfg.stages:
             stage, phase = 0, phase ^ 1
@@ -89,22 +90,18 @@ def producer_ops(tiles: list[int], cfg: Config, other_q_after: int | None = None
             load_other_q()
         else:
             # K of the first block, the first warpgroup's Q, V; the other Q blocks after other_q_after blocks.
-            ops.append(("wait", f"empty_k{stage}", phase))
-            ops.append(("write", f"K{stage}"))
-            ops.append(("arrive", f"full_k{stage}"))
+            load("k")
             load_q(0)
             if other_q_after == 0:
                 load_other_q()
-            ops.append(("wait", f"empty_v{stage}", phase))
-            ops.append(("write", f"V{stage}"))
-            ops.append(("arrive", f"full_v{stage}"))
-            stage += 1
-            if stage == cfg.stages:
-                stage, phase = 0, phase ^ 1
+            load("v")
+            next_stage()
             for i in range(1, blocks):
                 if i == other_q_after:
                     load_other_q()
-                load_kv()
+                load("k")
+                load("v")
+                next_stage()
             if 0 < other_q_after and blocks <= other_q_after:
                 load_other_q()
         q_loads += 1
