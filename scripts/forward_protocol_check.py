@@ -33,13 +33,14 @@ class Config:
         return not self.own_o_buffer
 
 
-# The configurations the kernels build: D=64/128 (ping-pong, O buffer; two or three stages), D=64 without
-# causal (three warpgroups, no ping-pong), D=192 (ping-pong, O in Q, three stages), D=256 (no ping-pong,
-# O in Q, two stages).
+# The configurations the kernels build: D=64/128 (ping-pong, O buffer; two or three stages), D=64's long
+# tiles (three warpgroups, no ping-pong), D=192 (ping-pong, O in Q; two stages, masked three), D=256 (no
+# ping-pong, O in Q, two stages).
 KERNEL_CONFIGS = (
     Config(2, 2, True, True),
     Config(2, 3, True, True),
     Config(3, 3, True, False),
+    Config(2, 2, False, True),
     Config(2, 3, False, True),
     Config(2, 2, False, False),
 )

@@ -48,12 +48,6 @@ struct TileConfig;
 #define FA2_PINGPONG_HDIM256 0
 #endif
 
-#ifndef FA2_TILE_M_HDIM64
-#define FA2_TILE_M_HDIM64 192
-#endif
-#ifndef FA2_TILE_M_HDIM64_CAUSAL
-#define FA2_TILE_M_HDIM64_CAUSAL 128
-#endif
 #ifndef FA2_TILE_N_HDIM64
 #define FA2_TILE_N_HDIM64 128
 #endif
@@ -61,7 +55,7 @@ struct TileConfig;
 #define FA2_TILE_N_HDIM128 128
 #endif
 #ifndef FA2_TILE_N_HDIM192
-#define FA2_TILE_N_HDIM192 64
+#define FA2_TILE_N_HDIM192 96
 #endif
 #ifndef FA2_TILE_N_HDIM256
 #define FA2_TILE_N_HDIM256 64
@@ -70,7 +64,7 @@ struct TileConfig;
 #define FA2_PINGPONG_HDIM192 1
 #endif
 #ifndef FA2_STAGES_HDIM192
-#define FA2_STAGES_HDIM192 3
+#define FA2_STAGES_HDIM192 2
 #endif
 // D=192/256 persistent: O staged in each warpgroup's Q block (no room for a buffer of its own).
 #ifndef FA2_PERSISTENT_HDIM192
@@ -80,17 +74,17 @@ struct TileConfig;
 #define FA2_PERSISTENT_HDIM256 1
 #endif
 
-// D=64 without causal: 192 query rows, three consumer warpgroups (H200 against cuDNN, 16k tokens: 1.01-1.12x
-// from 2k, 0.89-0.90x at 512/1k; 128 rows with ping-pong: 0.88-0.93x). Causal takes 128 rows below 8k query
-// rows and 192 from there: 192 fell to 0.70x/0.73x at 512/1k (128: 0.83x/0.86x), tied at 2k-4k and won
-// from 8k (1.00x/1.06x at 8k/16k against 0.93x/0.97x).
+// D=64: 128 query rows (two ping-pong warpgroups) for short query sequences, 192 (three warpgroups) from
+// kLongMinSeqlenQ rows. H200 bf16 against cuDNN, 16k tokens, same run: without causal 128 rows gave 0.97x at
+// 512/1k (192: 0.95x) and 0.98-1.00x from 2k (192: 1.02-1.09x); causal 192 rows fell to 0.70x/0.73x at
+// 512/1k (128: 0.83x/0.86x), tied at 2k-4k and won from 8k (1.00x/1.06x at 8k/16k against 0.93x/0.97x).
 template <bool Causal>
 struct TileConfig<64, Causal> {
   static constexpr bool kPingPong = FA2_PINGPONG_HDIM64;
-  static constexpr int kBlockM = Causal ? FA2_TILE_M_HDIM64_CAUSAL : FA2_TILE_M_HDIM64;
+  static constexpr int kBlockM = 128;
   static constexpr int kBlockN = FA2_TILE_N_HDIM64, kStages = 3;
   static constexpr int kMaskBlockN = kBlockN, kMaskStages = kStages;
-  static constexpr int kLongBlockM = Causal ? FA2_TILE_M_HDIM64 : 0, kLongMinSeqlenQ = 8192;
+  static constexpr int kLongBlockM = 192, kLongMinSeqlenQ = Causal ? 8192 : 2048;
   static constexpr bool kPersistent = true;
   static constexpr int kHeaviestFirstStrideMaxSeqlenQ = FA2_STRIDE_MAX(4096);
   static constexpr bool kLazyRescale = false;
@@ -118,11 +112,11 @@ struct TileConfig<128, Causal> {
   static constexpr int kHeaviestFirstStrideMaxSeqlenQ = FA2_STRIDE_MAX(8192);
   static constexpr bool kLazyRescale = false;
 };
-// D=192: key blocks of 64 (128 keys in two stages would not fit): Q 48 KB + three K and three V stages
-// (72 KB each); O is staged in each warpgroup's Q block, as at D=256.
-// Unmasked kernels may take blocks of any multiple of 16 keys (FlashAttention-3 takes 112 in two stages
-// here: -DFA2_TILE_N_HDIM192=112 -DFA2_STAGES_HDIM192=2, 0.62-0.74x cuDNN against 64 keys' 0.88-0.98x on
-// the H200); masked ones keep 64 keys.
+// D=192: unmasked kernels take 96-key blocks in two stages (Q 48 KB + two K and two V stages, 72 KB each;
+// 128 keys would not fit); O is staged in each warpgroup's Q block, as at D=256. H200 bf16 against cuDNN,
+// 16k tokens, same run: 96 keys 1.03-1.13x without causal from 1k, 1.07-1.24x causal from 2k (64 keys in
+// three stages: 0.96-0.98x and 0.99-1.07x); 512 0.94x / 0.87x causal (64 keys: 0.93x / 0.91x). Masked
+// kernels keep 64 keys in three stages (whole words of the mask's bit rows).
 template <bool Causal>
 struct TileConfig<192, Causal> {
   static constexpr bool kPingPong = FA2_PINGPONG_HDIM192;
