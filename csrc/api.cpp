@@ -980,6 +980,11 @@ Reason backward_unsupported_reason(const TensorMeta& grad_out, const TensorMeta&
   Reason reason = unsupported_reason(q, k, v, nullptr, is_causal, window_left, softcap, has_sinks);
   if (!reason.has_value() && mask != nullptr) reason = unsupported_reason(q, k, v, mask, false, -1, softcap, has_sinks);
   if (reason.has_value()) return reason;
+  // A build may hold a head dim's forward without a backward to run it (FA2_INDUCTOR_HEAD_DIMS=96 alone).
+  const fa2::DType dtype = *kernel_dtype(q.dtype);
+  if (entry_for_head_dim(bwd_kernel_table(), q.sizes[3], dtype) == nullptr) {
+    return join("no backward kernel compiled for head dim ", q.sizes[3], " ", kernel_dtype_name(dtype));
+  }
   for (const auto& [name, t] : {std::pair<const char*, const TensorMeta*>{"grad_out", &grad_out}, {"out", &out}}) {
     if (!t->sizes.equals(q.sizes) || t->dtype != q.dtype || t->device != q.device) {
       return std::string(name) + " does not match q";
