@@ -160,7 +160,7 @@ int64_t bwd_workspace_bytes(const BwdParams& params) {
 
 }  // namespace fa2
 
-// One explicit instantiation per compile unit in csrc/instantiations/bwd_*.cu.
+// One explicit instantiation per generated compile unit (csrc/kernel_table.py).
 #define FA2_INSTANTIATE_BWD(HDIM, DT, CAUSAL, KIND)                                                          \
   template cudaError_t fa2::run_bwd<HDIM, fa2::DType::DT, CAUSAL, fa2::MaskKind::KIND>(const fa2::BwdParams&, \
                                                                                       cudaStream_t);        \

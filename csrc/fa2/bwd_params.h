@@ -59,7 +59,7 @@ struct BwdParams {
   void* workspace = nullptr;
 };
 
-// One definition per compiled (head dim, dtype, causal, mask kind) in csrc/instantiations/bwd_*.cu.
+// One definition per compiled (head dim, dtype, causal, mask kind), in the generated units (csrc/kernel_table.py).
 // Causal is a template argument of the unmasked kernels only.
 template <int HeadDim, DType Dt, bool Causal, MaskKind Kind>
 cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream);
