@@ -123,6 +123,7 @@ def test_flags_are_parsed():
         ["--decode", "--splits", "0"],
         ["--splits", "2"],
         ["--profile", "p.txt"],
+        ["--backward", "--masks", "--profile", "p.txt"],
     ],
 )
 def test_bad_arguments_are_refused(argv, capsys):
@@ -255,6 +256,23 @@ def test_a_backward_cell_checks_then_times_each_mode_in_turns(monkeypatch):
         assert rows["n/a"] == {"status": "n/a", "reason": "not this cell"}
         assert rows["wrong"]["status"] == "WRONG" and "ms" not in rows["wrong"]
         assert rows["right"]["status"] == "ok" and rows["right"]["tflops"] > 0 and rows["right"]["max_abs_error"] < 0.05
+
+
+def test_a_profiled_backward_cell_reports_the_backward_of_each_checked_implementation(monkeypatch, tmp_path):
+    from fa2_inductor.bench import backward
+
+    def sdpa(q, k, v, causal, scale):
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+    monkeypatch.setattr(backward, "FORWARDS", {"right": sdpa, "wrong": lambda *a: (lambda f=sdpa(*a): lambda: 2 * f())()})
+    report = tmp_path / "bwd.txt"
+    assert bench.parse_args(["--device", "cuda", "--backward", "--profile", str(report)]).profile == report
+    args = argparse.Namespace(impls=["wrong", "right"], seed=0, warmup=0, reps=1, profile=report)
+    backward.measure_cell(bench.Cell("bf16", False, 16, 32, 1, 2), torch.device("cpu"), args)
+    report = report.read_text()
+    assert "== bf16 non-causal d16 seqlen 32 bwd right: profiled call" in report
+    assert "wrong" not in report  # its gradients failed the check: neither timed nor profiled
+    assert "autograd::engine::evaluate_function" in report or "aten::" in report
 
 
 def test_mask_rows_time_ours_and_the_comparison_in_turns():

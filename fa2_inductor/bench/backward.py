@@ -5,7 +5,9 @@ backward = 2.5x the forward's 4·B·H·S²·D (five GEMMs against two), forward+
 causal. Every implementation runs the same inputs through autograd (``torch.autograd.grad``, the backward
 alone on a retained graph); its gradients are checked against SDPA FLASH's (or the math backend's)
 before timing, and a mismatch is marked WRONG and not timed. Ours must run our backward kernel: a cell it
-does not cover is n/a (its fallback would be timed otherwise).
+does not cover is n/a (its fallback would be timed otherwise). With ``--profile`` each cell's backward calls
+run once more under torch.profiler, their kernels' times appended to a text report (the mainloop against the
+light kernels around it).
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from ..ops import flash_attention
 from .cases import CAUSAL_CHOICES, DTYPES, Cell, attention_flops, sweep_cells
 from .measure import CellResult, Measurement, describe_exception, timing_row
 from .plot import draw_plot
+from .profiling import profile_calls
 from .report import environment, environment_line, ratio_summary, write_json
 from .timing import medians_in_turns
 
 MODES = {"fwd+bwd": 3.5, "bwd": 2.5}  # FLOPs as multiples of the forward's
+PROFILED_CALLS = 10  # --profile: backward calls per implementation and cell, so each kernel's average is over several
 IMPLS = ("fa2_inductor", "sdpa_flash", "sdpa_cudnn")
 # max |grad - reference| <= tolerance * max |reference| for each of dq, dk, dv.
 GRAD_TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 1e-2}
@@ -117,8 +121,16 @@ def measure_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> 
         calls = {name: steps[mode](forward, out) for name, (forward, out, _) in checked.items()}
         for name, ms in medians_in_turns(calls, [()], device, warmup=args.warmup, reps=args.reps).items():
             record["modes"][mode][name] = {**timing_row(ms, factor * forward_flops), "max_abs_error": checked[name][2]}
+    if getattr(args, "profile", None):
+        backward_calls = {name: _repeated(steps["bwd"](forward, out)) for name, (forward, out, _) in checked.items()}
+        profile_calls(args.profile, backward_calls, f"{cell.dtype} {'causal' if cell.causal else 'non-causal'} "
+                      f"d{cell.head_dim} seqlen {cell.seqlen} bwd", device)
     record["modes"] = {mode: {name: rows[name] for name in args.impls} for mode, rows in record["modes"].items()}
     return record
+
+
+def _repeated(call: Callable) -> Callable:
+    return lambda: [call() for _ in range(PROFILED_CALLS)]
 
 
 def _set_every_mode(record: dict, name: str, row: dict) -> None:
@@ -178,6 +190,9 @@ def backward_rows(args: argparse.Namespace) -> int:
     cells = sweep_cells(args.seqlens, args.head_dims, args.dtypes, CAUSAL_CHOICES[args.causal], args.tokens, args.hidden)
     env = environment(device)
     print(environment_line(env))
+    if args.profile:
+        args.profile.write_text(f"{PROFILED_CALLS} backward calls of each implementation per cell under "
+                                "torch.profiler, after the timing\n")
     print(f"backward sweep: {len(cells)} cells x {len(impls)} implementations x {list(MODES)}; "
           f"median of {args.reps}, timed in turns (TFLOP/s: backward = 2.5x, fwd+bwd = 3.5x the forward's FLOPs)")
     records, group, notes = [], None, set()

@@ -128,8 +128,9 @@ def _parser() -> argparse.ArgumentParser:
                         "FA2_INDUCTOR_DECODE_SPLITS), in the same turns")
     parser.add_argument(
         "--profile", type=Path, metavar="TXT",
-        help="--decode: each cell's calls once more under torch.profiler (10 calls each), the kernels' times "
-        "appended to TXT: where a call's time goes (split and combine kernels, launch gaps)",
+        help="--decode or --backward: each cell's calls (--backward: the backward alone) once more under "
+        "torch.profiler (10 calls each), the kernels' times appended to TXT: where a call's time goes (split and "
+        "combine kernels; the backward's mainloop and the light kernels around it; launch gaps)",
     )
     parser.add_argument(
         "--backward", action="store_true",
@@ -168,8 +169,10 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         parser.error("seqlens, --tokens and --hidden must be positive")
     if min(args.contexts) < 1 or min(args.batches) < 1 or min(args.splits, default=1) < 1:
         parser.error("--contexts, --batches and --splits must be positive")
-    if not args.decode and (args.profile or args.splits):
-        parser.error("--profile and --splits are --decode options")
+    if not args.decode and args.splits:
+        parser.error("--splits is a --decode option")
+    if args.profile and not (args.decode or (args.backward and not args.masks)):
+        parser.error("--profile is a --decode or --backward (without --masks) option")
     if not all(1 <= d <= 256 for d in args.head_dims):
         parser.error("head dims must be between 1 and 256")
     if args.warmup < 0 or args.reps < 1:
