@@ -25,12 +25,11 @@ from ..ops import flash_attention
 from .cases import CAUSAL_CHOICES, DTYPES, Cell, attention_flops, sweep_cells
 from .measure import CellResult, Measurement, describe_exception, timing_row
 from .plot import draw_plot
-from .profiling import profile_calls
+from .profiling import PROFILED_CALLS, profile_calls
 from .report import environment, environment_line, ratio_summary, write_json
 from .timing import medians_in_turns
 
 MODES = {"fwd+bwd": 3.5, "bwd": 2.5}  # FLOPs as multiples of the forward's
-PROFILED_CALLS = 10  # --profile: backward calls per implementation and cell, so each kernel's average is over several
 IMPLS = ("fa2_inductor", "sdpa_flash", "sdpa_cudnn")
 # max |grad - reference| <= tolerance * max |reference| for each of dq, dk, dv.
 GRAD_TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 1e-2}

@@ -24,6 +24,7 @@ from .masked_backward import masked_backward_rows
 from .masks import SEQLENS as MASK_ROWS_SEQLENS
 from .masks import mask_rows
 from .overhead import run_overhead
+from .profiling import PROFILED_CALLS
 from .score_mods import score_mod_rows
 from .sites import run_sites
 from .measure import CellResult, measure_cell
@@ -129,8 +130,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--profile", type=Path, metavar="TXT",
         help="--decode or --backward: each cell's calls (--backward: the backward alone) once more under "
-        "torch.profiler (10 calls each), the kernels' times appended to TXT: where a call's time goes (split and "
-        "combine kernels; the backward's mainloop and the light kernels around it; launch gaps)",
+        f"torch.profiler ({PROFILED_CALLS} calls each), the kernels' times appended to TXT: where a call's time goes "
+        "(split and combine kernels; the backward's mainloop and the light kernels around it; launch gaps)",
     )
     parser.add_argument(
         "--backward", action="store_true",

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .measure import describe_exception
-from .profiling import profile_calls
+from .profiling import PROFILED_CALLS, profile_calls
 from .report import environment, environment_line, write_json
 from .timing import input_set_count, medians_in_turns
 
@@ -35,7 +35,6 @@ STATIC_CACHE_LEN = 32768
 DTYPE = torch.bfloat16
 L2_BYTES = 50 * 2**20
 SPLITS_VARIABLE = "FA2_INDUCTOR_DECODE_SPLITS"
-PROFILED_CALLS = 10  # --profile: per implementation and cell, so that each kernel's average is over several calls
 PEERS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,
     "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,

@@ -17,6 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 
 
 PROFILE_HEADER = "one call of each variant under torch.profiler, after the timing\n"
+# bench --profile (--decode, --backward): calls per implementation and cell, so each kernel's average is over several.
+PROFILED_CALLS = 10
 
 
 @dataclass
