@@ -247,7 +247,7 @@ def test_a_backward_cell_checks_then_times_each_mode_in_turns(monkeypatch):
 
     forwards = {"right": sdpa, "wrong": lambda *a: (lambda f=sdpa(*a): lambda: 2 * f())(), "n/a": unavailable}
     monkeypatch.setattr(backward, "FORWARDS", forwards)
-    args = argparse.Namespace(impls=["n/a", "wrong", "right"], seed=0, warmup=1, reps=3)
+    args = argparse.Namespace(impls=["n/a", "wrong", "right"], seed=0, warmup=1, reps=3, profile=None)
     cell = bench.Cell("bf16", True, 16, 32, 1, 2)
     record = backward.measure_cell(cell, torch.device("cpu"), args)
     for mode in backward.MODES:

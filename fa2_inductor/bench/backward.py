@@ -25,7 +25,7 @@ from ..ops import flash_attention
 from .cases import CAUSAL_CHOICES, DTYPES, Cell, attention_flops, sweep_cells
 from .measure import CellResult, Measurement, describe_exception, timing_row
 from .plot import draw_plot
-from .profiling import PROFILED_CALLS, profile_calls
+from .profiling import PROFILED_CALLS, profile_calls, repeated
 from .report import environment, environment_line, ratio_summary, write_json
 from .timing import medians_in_turns
 
@@ -120,16 +120,12 @@ def measure_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> 
         calls = {name: steps[mode](forward, out) for name, (forward, out, _) in checked.items()}
         for name, ms in medians_in_turns(calls, [()], device, warmup=args.warmup, reps=args.reps).items():
             record["modes"][mode][name] = {**timing_row(ms, factor * forward_flops), "max_abs_error": checked[name][2]}
-    if getattr(args, "profile", None):
-        backward_calls = {name: _repeated(steps["bwd"](forward, out)) for name, (forward, out, _) in checked.items()}
+    if args.profile:
+        backward_calls = {name: repeated(steps["bwd"](forward, out)) for name, (forward, out, _) in checked.items()}
         profile_calls(args.profile, backward_calls, f"{cell.dtype} {'causal' if cell.causal else 'non-causal'} "
                       f"d{cell.head_dim} seqlen {cell.seqlen} bwd", device)
     record["modes"] = {mode: {name: rows[name] for name in args.impls} for mode, rows in record["modes"].items()}
     return record
-
-
-def _repeated(call: Callable) -> Callable:
-    return lambda: [call() for _ in range(PROFILED_CALLS)]
 
 
 def _set_every_mode(record: dict, name: str, row: dict) -> None:

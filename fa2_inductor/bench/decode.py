@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .measure import describe_exception
-from .profiling import PROFILED_CALLS, profile_calls
+from .profiling import PROFILED_CALLS, profile_calls, repeated
 from .report import environment, environment_line, write_json
 from .timing import input_set_count, medians_in_turns
 
@@ -95,11 +95,6 @@ def _first_that_runs(forms: tuple, inputs: tuple):
     return None, None
 
 
-def _repeated(fn, sets):
-    """``PROFILED_CALLS`` calls of ``fn`` on the rotating input sets, as one argument-free call."""
-    return lambda: [fn(*sets[i % len(sets)]) for i in range(PROFILED_CALLS)]
-
-
 def _expected(q, k, v, mask):
     with sdpa_kernel(SDPBackend.MATH):
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
@@ -147,7 +142,7 @@ def decode_rows(args: argparse.Namespace) -> int:
                     else:
                         us[name] = 1e3 * ms
                 if args.profile:
-                    profile_calls(args.profile, {name: _repeated(fn, sets) for name, fn in checked.items()},
+                    profile_calls(args.profile, {name: repeated(fn, sets) for name, fn in checked.items()},
                                   f"{form} ctx={context} B={batch}", device)
                 peers = {name: t for name, t in us.items() if name in PEERS}
                 best = min(peers, key=peers.get) if peers else None

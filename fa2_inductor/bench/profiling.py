@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -19,6 +19,11 @@ from torch.profiler import ProfilerActivity, profile
 PROFILE_HEADER = "one call of each variant under torch.profiler, after the timing\n"
 # bench --profile (--decode, --backward): calls per implementation and cell, so each kernel's average is over several.
 PROFILED_CALLS = 10
+
+
+def repeated(fn: Callable, arg_sets: Sequence[tuple] = ((),)) -> Callable[[], list]:
+    """``PROFILED_CALLS`` calls of ``fn`` on the rotating argument sets, as one argument-free call."""
+    return lambda: [fn(*arg_sets[i % len(arg_sets)]) for i in range(PROFILED_CALLS)]
 
 
 @dataclass
