@@ -60,7 +60,7 @@ CUTE_DEVICE void epilogue_store(const KernelArgs<Traits>& args, typename Traits:
     if constexpr (!T::kOwnOBuffer) {
       tma_store_wait<0>();  // O has left the Q block (and shared memory may end with the CTA)
       if constexpr (T::kPersistent) {
-        reinterpret_cast<cutlass::arch::ClusterBarrier*>(&smem.barrier_q_free[wg])->arrive();
+        smem.q_free(wg).arrive();
       }
     }
   }

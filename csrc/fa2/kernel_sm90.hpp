@@ -75,7 +75,7 @@ CUTE_DEVICE void consumer_tile(const KernelArgs<Traits>& args, typename Traits::
   if (blocks.count > 0) {
     consumer_mainloop<T>(args, smem, pipe_k, pipe_v, read, q_loads, tOrO, softmax, tid, tile, blocks);
   } else if constexpr (T::kQEveryTile) {  // no key at all: O = 0 and LSE = -inf, staged where Q has landed
-    reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q[tid / 128])->wait(q_loads % 2);
+    smem.q_loaded(tid / 128).wait(q_loads % 2);
   }  // else no key at all: O = 0 and LSE = -inf (Q was never loaded).
   float lse[2];
   Tensor o_rc = as_rowcol(tOrO);
@@ -151,9 +151,9 @@ fwd_kernel_sm90(CUTE_GRID_CONSTANT const KernelArgs<Traits> args) {
     cute::prefetch_tma_descriptor(args.tma_v.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_o.get_tma_descriptor());
     for (int w = 0; w < T::kConsumerWarpgroups; ++w) {
-      reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q[w])->init(1);
+      smem.q_loaded(w).init(1);
       // All the warpgroup's threads after its last S GEMM, or its epilogue's storing thread (O in the block).
-      reinterpret_cast<cutlass::arch::ClusterBarrier*>(&smem.barrier_q_free[w])->init(T::kOwnOBuffer ? 128 : 1);
+      smem.q_free(w).init(T::kOwnOBuffer ? 128 : 1);
     }
   }
 

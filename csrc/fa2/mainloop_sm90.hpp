@@ -146,9 +146,16 @@ struct KernelTraits {
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
     // Per consumer warpgroup: its Q block loaded; its Q block free again (its last S GEMM has read it, or,
-    // with O staged there, its store has read O).
+    // with O staged there, its store has read O). Raw words, used through q_loaded and q_free.
     alignas(8) cutlass::arch::ClusterTransactionBarrier::ValueType barrier_q[kConsumerWarpgroups];
     alignas(8) cutlass::arch::ClusterBarrier::ValueType barrier_q_free[kConsumerWarpgroups];
+
+    CUTE_DEVICE cutlass::arch::ClusterTransactionBarrier& q_loaded(int w) {
+      return *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&barrier_q[w]);
+    }
+    CUTE_DEVICE cutlass::arch::ClusterBarrier& q_free(int w) {
+      return *reinterpret_cast<cutlass::arch::ClusterBarrier*>(&barrier_q_free[w]);
+    }
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile config exceeds shared memory");
@@ -321,8 +328,8 @@ CUTE_DEVICE void producer_load(const KernelArgs<Traits>& args, typename Traits::
     Tensor sQw = make_tensor(make_smem_ptr(smem.q.data() + w * T::kWarpgroupRowsElems),
                              typename T::SmemLayoutWarpgroupRows{});
     auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQw), group_modes<0, 2>(gQ));
-    auto& bar_q = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q[w]);
-    auto& bar_q_free = *reinterpret_cast<cutlass::arch::ClusterBarrier*>(&smem.barrier_q_free[w]);
+    auto& bar_q = smem.q_loaded(w);
+    auto& bar_q_free = smem.q_free(w);
     if (q_loads > 0) bar_q_free.wait((q_loads - 1) % 2);
     bar_q.arrive_and_expect_tx(T::kBytesQWarpgroup);
     copy(args.tma_q.with(smem.barrier_q[w], 0), tQgQ(_, tile.m_block * T::kConsumerWarpgroups + w), tQsQ);
@@ -437,8 +444,8 @@ CUTE_DEVICE void consumer_mainloop(const KernelArgs<Traits>& args, typename Trai
   const int m0 = tile.m_block * T::kBlockM;
 
   const int wg = tid / 128;
-  auto& bar_q = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&smem.barrier_q[wg]);
-  auto& bar_q_free = *reinterpret_cast<cutlass::arch::ClusterBarrier*>(&smem.barrier_q_free[wg]);
+  auto& bar_q = smem.q_loaded(wg);
+  auto& bar_q_free = smem.q_free(wg);
   // The warpgroup's last S GEMM has read its Q block: with O staged elsewhere, the producer may load the
   // next tile's (with O staged in the block, the epilogue frees it once O is stored).
   constexpr bool kFreeQAfterLastS = T::kOwnOBuffer;
