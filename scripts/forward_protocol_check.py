@@ -4,9 +4,10 @@ A hand-kept model of one persistent CTA of csrc/fa2/: the producer thread (`prod
 mainloop_sm90.hpp) and the consumer warpgroups (`consumer_tiles` in kernel_sm90.hpp, `consumer_mainloop`,
 `epilogue_store` in epilogue_sm90.hpp) as sequences of barrier operations over a few tiles: per-warpgroup
 Q barriers (loaded / free again), the K and V pipelines of S stages, the ping-pong turn barriers, and O
-staged in a buffer of its own or in the warpgroup's Q block. Every interleaving is explored; the check
-fails on a deadlock (no one can move and someone has not finished) or a race (the producer issues a load
-into a buffer that a consumer still reads). Change the model together with those functions.
+staged in a buffer of its own or in the warpgroup's Q block. Every interleaving is explored
+(`protocol_model.py`); the check fails on a deadlock (no one can move and someone has not finished), a race
+(the producer issues a load into a buffer that a consumer still reads) or a turn barrier left with arrivals at
+the end. Change the model together with those functions.
 
     python scripts/forward_protocol_check.py           # every configuration the kernels build
     python scripts/forward_protocol_check.py --quick   # the short tile sequences only
@@ -18,6 +19,10 @@ import argparse
 import itertools
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # protocol_model beside this file, however it is loaded
+import protocol_model  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -183,63 +188,8 @@ def explore(tiles: list[int], cfg: Config, producer=producer_ops) -> tuple[list[
         for pipe in "kv":
             arrivals[f"full_{pipe}{s}"] = 1
             arrivals[f"empty_{pipe}{s}"] = cfg.warpgroups
-    barriers = {name: i for i, name in enumerate(sorted(arrivals))}
-    buffers = {b: i for i, b in enumerate(sorted({op[1] for p in procs for op in p if op[0] in ("write", "use_begin")}))}
-
-    # State: program counters, per mbarrier (phases completed, arrivals pending), per turn barrier
-    # (arrivals, generation), readers per buffer, and the generation each process waits on (-1: none).
-    start = (tuple(0 for _ in procs), tuple((0, 0) for _ in barriers), tuple((0, 0) for _ in range(cfg.warpgroups)),
-             tuple(0 for _ in buffers), tuple(-1 for _ in procs))
-    seen, stack, errors = set(), [start], []
-    while stack and len(errors) < 3:
-        state = stack.pop()
-        if state in seen:
-            continue
-        seen.add(state)
-        pcs, mbars, turns, readers, waiting = state
-        moved = False
-        for p, ops in enumerate(procs):
-            if pcs[p] >= len(ops):
-                continue
-            op = ops[pcs[p]]
-            step = pcs[:p] + (pcs[p] + 1,) + pcs[p + 1:]
-            if waiting[p] >= 0:  # in a turn-barrier sync: released once its generation completes
-                if turns[op[1]][1] > waiting[p]:
-                    stack.append((step, mbars, turns, readers, waiting[:p] + (-1,) + waiting[p + 1:]))
-                    moved = True
-                continue
-            mbars2, turns2, readers2, waiting2 = list(mbars), list(turns), list(readers), waiting
-            kind = op[0]
-            if kind == "wait":
-                if mbars[barriers[op[1]]][0] % 2 == op[2]:
-                    continue  # that phase has not completed
-            elif kind == "arrive":
-                i = barriers[op[1]]
-                done, pending = mbars[i][0], mbars[i][1] + 1
-                mbars2[i] = (done + 1, 0) if pending == arrivals[op[1]] else (done, pending)
-            elif kind in ("nb_sync", "nb_arrive"):
-                count, generation = turns[op[1]]
-                count += 1
-                turns2[op[1]] = (0, generation + 1) if count == 2 else (count, generation)
-                if kind == "nb_sync" and count < 2:  # wait for this generation to complete
-                    waiting2 = waiting[:p] + (generation,) + waiting[p + 1:]
-                    stack.append((pcs, tuple(mbars2), tuple(turns2), readers, waiting2))
-                    moved = True
-                    continue
-            elif kind == "write":
-                if readers[buffers[op[1]]] > 0:
-                    errors.append(f"race: a load into {op[1]} while it is read (program counters {pcs})")
-                    continue
-            elif kind == "use_begin":
-                readers2[buffers[op[1]]] += 1
-            elif kind == "use_end":
-                readers2[buffers[op[1]]] -= 1
-            stack.append((step, tuple(mbars2), tuple(turns2), tuple(readers2), waiting2))
-            moved = True
-        if not moved and any(pcs[p] < len(procs[p]) for p in range(len(procs))):
-            stuck = [procs[p][pcs[p]] if pcs[p] < len(procs[p]) else "done" for p in range(len(procs))]
-            errors.append(f"deadlock: {stuck}")
-    return errors, len(seen)
+    turns = {w: 2 for w in range(cfg.warpgroups)}  # ping-pong: the warpgroup that waits and the one that hands over
+    return protocol_model.explore(procs, arrivals, turns)
 
 
 def tile_sequences(cfg: Config, quick: bool) -> list[list[int]]:
@@ -253,19 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tile sequences of two tiles only")
     args = parser.parse_args(argv)
-    total = 0
-    for cfg in KERNEL_CONFIGS:
-        for tiles in tile_sequences(cfg, args.quick):
-            errors, states = explore(tiles, cfg)
-            total += states
-            if errors:
-                print(f"FAILED {cfg} tiles {tiles}:")
-                for error in errors:
-                    print("   ", error)
-                return 1
-        print(f"ok: {cfg}")
-    print(f"{total} states explored, no deadlock, no race")
-    return 0
+    return protocol_model.check_all(KERNEL_CONFIGS, lambda cfg: tile_sequences(cfg, args.quick), explore)
 
 
 if __name__ == "__main__":

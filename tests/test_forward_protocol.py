@@ -53,5 +53,5 @@ def test_check_finds_the_race_of_a_q_load_without_its_free_wait(cfg):
         return protocol.producer_ops(tiles, c, wait_q_free=False)
 
     errors, _ = protocol.explore([2, 2], cfg, producer=eager)
-    assert errors and errors[0].startswith("race: a load into Q"), errors
+    assert errors and errors[0].startswith("race: a write into Q"), errors
 
