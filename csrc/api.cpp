@@ -160,11 +160,11 @@ int64_t tma_stride(const at::Tensor& t, int dim, const char* name) {
   return s;
 }
 
-// Persistent forward kernels (one CTA per SM) unless switched off: the benchmark compares them with
-// one CTA per tile in the same process.
-std::atomic<bool> persistent_forward{true};
+// Persistent kernels (one CTA per SM: the forward's and the backward's) unless switched off: the benchmark
+// compares them with one CTA per tile in the same process.
+std::atomic<bool> persistent_grid{true};
 
-void set_persistent_forward(bool on) { persistent_forward.store(on, std::memory_order_relaxed); }
+void set_persistent_grid(bool on) { persistent_grid.store(on, std::memory_order_relaxed); }
 
 // A device attribute, asked of the driver once per device and kept (calls are on the hot path).
 template <cudaDeviceAttr kAttribute>
@@ -218,7 +218,7 @@ fa2::FwdParams describe_call(const char* fn, const at::Tensor& q, const at::Tens
   p.seqlen_q = int(Sq);
   p.seqlen_k = int(Sk);
   p.head_dim = int(D);
-  p.num_sms = persistent_forward.load(std::memory_order_relaxed)
+  p.num_sms = persistent_grid.load(std::memory_order_relaxed)
                   ? device_attribute<cudaDevAttrMultiProcessorCount>(q.get_device())
                   : 0;
   p.q_batch_stride = tma_stride(q, 0, "q");
@@ -781,7 +781,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attention_fwd_cuda(const at::Tensor& q,
 
 // Raised whenever a binding's arguments change, so that a build from older sources is refused at import
 // (fa2_inductor/_extension.py INTERFACE_VERSION) instead of failing at its first call.
-constexpr int64_t kInterfaceVersion = 8;
+constexpr int64_t kInterfaceVersion = 9;
 
 std::vector<std::tuple<int64_t, std::string>> compiled_kernels() {
   std::vector<std::tuple<int64_t, std::string>> result;
@@ -916,6 +916,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   // A window as long as the queries hides nothing: none (and no sum of positions overflows).
   p.window_left = check_window(fn, is_causal, window_left) >= f.seqlen_q ? -1 : int(window_left);
   p.deterministic = deterministic;
+  p.num_sms = f.num_sms;
   FA2_CHECK(softcap >= 0.0 && std::isfinite(softcap), fn, ": softcap must be a finite number >= 0, got ", softcap);
   p.softcap = float(softcap);
 
@@ -1322,7 +1323,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("interface_version", [] { return kInterfaceVersion; },
         "The version of these bindings' arguments (fa2_inductor._extension refuses a build of another)");
   m.def("limits", &limits, "The limits every compiled kernel shares");
-  m.def("set_persistent_forward", &set_persistent_forward,
-        "Persistent forward kernels (one CTA per SM, the default) on or off (one CTA per query tile)", py::arg("on"));
+  m.def("set_persistent_grid", &set_persistent_grid,
+        "Persistent kernels, forward and backward (one CTA per SM, the default), on or off (one CTA per tile)",
+        py::arg("on"));
   register_bwd(m);  // the backward kernel binding's one line here
 }

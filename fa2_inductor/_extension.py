@@ -21,11 +21,11 @@ NOT_BUILT = "fa2_inductor._C was not built (pure-Python install)"
 # What the package (and its GPU tests) call on the module; a build from older sources lacks some of them.
 REQUIRED_FUNCTIONS = (
     "compiled_kernels", "limits", "kernel_unsupported_reason", "forward", "set_reference_hooks",
-    "fwd", "fwd_masked", "fill_empty_rows", "interface_version", "set_persistent_forward", "bwd",
+    "fwd", "fwd_masked", "fill_empty_rows", "interface_version", "set_persistent_grid", "bwd",
     "backward_kernel_unsupported_reason",
 )
 # The bindings' argument version this package calls (csrc/api.cpp kInterfaceVersion).
-INTERFACE_VERSION = 8
+INTERFACE_VERSION = 9
 
 
 def _load() -> tuple[Optional[ModuleType], str]:

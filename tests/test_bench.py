@@ -258,6 +258,39 @@ def test_a_backward_cell_checks_then_times_each_mode_in_turns(monkeypatch):
         assert rows["right"]["status"] == "ok" and rows["right"]["tflops"] > 0 and rows["right"]["max_abs_error"] < 0.05
 
 
+def test_a_backward_cell_runs_fa2_per_tile_with_the_persistent_grid_off(monkeypatch):
+    """fa2_per_tile's forward calls and its gradients (checked and timed) all run with the grid switched to one CTA
+    per tile, and the switch is back on between them."""
+    from fa2_inductor.bench import backward, implementations
+
+    switched = []
+    monkeypatch.setattr(implementations._extension, "C",
+                        type("C", (), {"set_persistent_grid": staticmethod(switched.append)}))
+
+    def sdpa(q, k, v, causal, scale):
+        def forward():
+            switched.append("forward")
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+        return forward
+
+    monkeypatch.setattr(backward, "FORWARDS", {"fa2_per_tile": sdpa})
+    args = argparse.Namespace(impls=["fa2_per_tile"], seed=0, warmup=1, reps=3, profile=None)
+    record = backward.measure_cell(bench.Cell("bf16", False, 16, 32, 1, 2), torch.device("cpu"), args)
+    assert all(record["modes"][mode]["fa2_per_tile"]["status"] == "ok" for mode in backward.MODES)
+    off = False
+    for event in switched:
+        if event is False:
+            assert not off
+            off = True
+        elif event is True:
+            assert off
+            off = False
+        else:
+            assert off, "a forward call ran on the persistent grid"
+    assert not off and switched.count(False) > switched.count("forward")  # the bwd-only calls switch it too
+
+
 def test_a_profiled_backward_cell_reports_the_backward_of_each_checked_implementation(monkeypatch, tmp_path):
     from fa2_inductor.bench import backward
 
@@ -295,7 +328,7 @@ def test_one_cta_per_tile_switches_the_persistent_grid_off_for_the_call_only(mon
 
     switched = []
     monkeypatch.setattr(implementations._extension, "C",
-                        type("C", (), {"set_persistent_forward": staticmethod(switched.append)}))
+                        type("C", (), {"set_persistent_grid": staticmethod(switched.append)}))
     assert implementations.one_cta_per_tile(lambda x: switched.append(x))("call") is None
     assert switched == [False, "call", True]
 

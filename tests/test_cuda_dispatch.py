@@ -55,7 +55,7 @@ class FakeLoader(importlib.abc.Loader):
             "set_reference_hooks": _record("set_reference_hooks"),
             "fwd": _record("fwd"), "fwd_masked": _record("fwd_masked"), "fill_empty_rows": _record("fill_empty_rows"),
             "interface_version": lambda: INTERFACE_VERSION,
-            "set_persistent_forward": _record("set_persistent_forward"),
+            "set_persistent_grid": _record("set_persistent_grid"),
         }
         for name in FUNCTIONS:
             setattr(module, name, every[name])
@@ -73,7 +73,7 @@ sys.meta_path.insert(0, FakeFinder())
 """
 
 FULL = ("compiled_kernels", "limits", "kernel_unsupported_reason", "forward", "set_reference_hooks", "fwd",
-        "fwd_masked", "fill_empty_rows", "interface_version", "set_persistent_forward", "bwd",
+        "fwd_masked", "fill_empty_rows", "interface_version", "set_persistent_grid", "bwd",
         "backward_kernel_unsupported_reason")
 
 

@@ -1,6 +1,7 @@
-// The Hopper backward kernel: one CTA per (key tile, kv head, batch). Warpgroup 0: warp 0 loads
-// (one thread issues TMA), warp 1 adds the staged dQ partials; warpgroups 1-2 run the GEMMs. dK and
-// dV of the CTA's keys (summed over the group's query heads) are written once, at the end.
+// The Hopper backward kernel: a CTA runs key tiles (key tile, kv head, batch), one per CTA or, persistent,
+// strided over one CTA per SM (BwdTileWalk). Warpgroup 0: warp 0 loads (one thread issues TMA), warp 1 adds
+// the staged dQ partials; warpgroups 1-2 run the GEMMs. dK and dV of a tile's keys (summed over the
+// group's query heads) are written once, at the tile's end.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -15,10 +16,13 @@ namespace fa2 {
 using namespace cute;
 
 // dK (scaled here) and dV: converted, staged in the K and V buffers (stmatrix) once both warpgroups are
-// done reading them, and stored with one TMA copy each (rows past Sk clipped by the tensor map).
+// done reading them, and stored with one TMA copy each (rows past Sk clipped by the tensor map); once the
+// stores have read the buffers, barrier_kv_free lets the producer load the next tile's K and V. The MMA
+// warps' next barrier_kv phase flips here too, between two barriers that every MMA thread passes after
+// reading it.
 template <class Traits, class FragDKV>
 CUTE_DEVICE void bwd_epilogue(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
-                              FragDKV& tdKrdK, const FragDKV& tdVrdV, int tid, int head_kv, int batch) {
+                              FragDKV& tdKrdK, const FragDKV& tdVrdV, const BwdTile& tile) {
   using T = Traits;
   using Element = typename T::Element;
   typename T::TiledMmaDKV mma_dkv;
@@ -32,27 +36,33 @@ CUTE_DEVICE void bwd_epilogue(const BwdKernelArgs<Traits>& args, typename Traits
   Tensor sdK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
   Tensor sdV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutV{});
   auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
+  // The thread index read afresh: this address math stays here instead of holding registers across a
+  // persistent CTA's tile loop.
+  int thread;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(thread));
+  const int tid = thread - 128;
   auto thr_copy = smem_copy.get_thread_slice(tid);
   cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierEpilogue);  // K and V no longer read
+  if (tid == 0) *static_cast<volatile int*>(&smem.kv_phase) ^= 1;
   copy(smem_copy, thr_copy.retile_S(rdK), thr_copy.partition_D(sdK));
   copy(smem_copy, thr_copy.retile_S(rdV), thr_copy.partition_D(sdV));
   cutlass::arch::fence_view_async_shared();  // st.shared visible to the TMA engine
   cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierEpilogue);
 
   if (tid == 0) {
-    const int n_block = bwd_key_block<T>(args);
     Tensor mdK = args.tma_dk.get_tma_tensor(args.shape_kv);
     Tensor mdV = args.tma_dv.get_tma_tensor(args.shape_kv);
-    Tensor gdK = local_tile(mdK(_, _, head_kv, batch), Shape<typename T::TileN, typename T::TileD>{},
-                            make_coord(n_block, _0{}));
-    Tensor gdV = local_tile(mdV(_, _, head_kv, batch), Shape<typename T::TileN, typename T::TileD>{},
-                            make_coord(n_block, _0{}));
+    Tensor gdK = local_tile(mdK(_, _, tile.head_kv, tile.batch), Shape<typename T::TileN, typename T::TileD>{},
+                            make_coord(tile.n_block, _0{}));
+    Tensor gdV = local_tile(mdV(_, _, tile.head_kv, tile.batch), Shape<typename T::TileN, typename T::TileD>{},
+                            make_coord(tile.n_block, _0{}));
     auto thr_tma_dk = args.tma_dk.get_slice(_0{});
     auto thr_tma_dv = args.tma_dv.get_slice(_0{});
     copy(args.tma_dk, thr_tma_dk.partition_S(sdK), thr_tma_dk.partition_D(gdK));
     copy(args.tma_dv, thr_tma_dv.partition_S(sdV), thr_tma_dv.partition_D(gdV));
     tma_store_arrive();
-    tma_store_wait<0>();  // keep shared memory alive until the stores have read it
+    tma_store_wait<0>();  // the stores have read the buffers
+    cutlass::arch::ClusterBarrier::arrive(&smem.barrier_kv_free);
   }
 }
 
@@ -64,11 +74,12 @@ bwd_kernel_sm90(CUTE_GRID_CONSTANT const BwdKernelArgs<Traits> args) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& smem = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
 
+  // The kernel before (pdl.hpp) writes what the loads and dQ additions read: the producer waits for it
+  // after its first K/V loads, the other roles before they touch its output; masked kernels at once (their
+  // schedules read the pre-pass's lists). The postprocess may be scheduled from now: it waits for this grid.
+  if constexpr (T::kMask != MaskKind::kNone) wait_for_prior_grid();
+  allow_dependent_grid();
   const int warp_group = cutlass::canonical_warp_group_idx();
-  const int n_block = bwd_key_block<T>(args);
-  const int head_kv = blockIdx.y;
-  const int batch = blockIdx.z;
-  const int steps = bwd_schedule<T>(args, n_block, head_kv, batch).count;
 
   if (threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
@@ -78,6 +89,8 @@ bwd_kernel_sm90(CUTE_GRID_CONSTANT const BwdKernelArgs<Traits> args) {
     cute::prefetch_tma_descriptor(args.tma_dk.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_dv.get_tma_descriptor());
     cutlass::arch::ClusterBarrier::init(&smem.barrier_kv, 1);
+    cutlass::arch::ClusterBarrier::init(&smem.barrier_kv_free, 1);  // the epilogue's storing thread
+    smem.kv_phase = 0;
   }
 
   using PipelineQ = typename T::PipelineQ;
@@ -100,24 +113,31 @@ bwd_kernel_sm90(CUTE_GRID_CONSTANT const BwdKernelArgs<Traits> args) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     const int warp = threadIdx.x / 32;
     if (warp == 0) {
-      if (steps > 0) bwd_load<T>(args, smem, pipe_q, pipe_do, n_block, head_kv, batch);
+      bwd_load<T>(args, smem, pipe_q, pipe_do);
     } else if (warp == 1) {
-      if constexpr (T::kStagedDq) bwd_dq_writer<T>(args, smem, n_block, head_kv, batch);
+      if constexpr (T::kStagedDq) bwd_dq_writer<T>(args, smem);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kMmaRegs>();
-    const int tid = threadIdx.x - 128;
+    wait_for_prior_grid();  // the LSE and D rows, the zeroed accumulator and turn counters
     typename T::TiledMmaDKV mma_dkv;
     Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<typename T::TileN, typename T::TileD>{});
     Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<typename T::TileN, typename T::TileD>{});
-    if (steps > 0) {
-      bwd_mma<T>(args, smem, pipe_q, pipe_do, tdKrdK, tdVrdV, tid, head_kv, batch);
-    } else {
-      // No query sees these keys (causal, or a mask): dK = dV = 0. Nothing was loaded.
-      clear(tdKrdK);
-      clear(tdVrdV);
+    typename T::StepState read;  // stage 0, phase 0: Q's and dO's
+    // A phase of barrier_kv per tile (bwd_load), its parity kept in shared memory and read afresh: the MMA
+    // warps have no register to spare across the tile loop.
+    for (BwdTileWalk<T> walk(args); walk.valid(args); walk.next(args)) {
+      cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv, *static_cast<volatile int*>(&smem.kv_phase));
+      const BwdTile tile = walk.tile(args);
+      if (bwd_schedule<T>(args, tile.n_block, tile.head_kv, tile.batch).count > 0) {
+        bwd_mma<T>(args, smem, pipe_q, pipe_do, read, tdKrdK, tdVrdV, tile, int(threadIdx.x) - 128);
+      } else {
+        // No query sees these keys (causal, or a mask): dK = dV = 0. Nothing was loaded.
+        clear(tdKrdK);
+        clear(tdVrdV);
+      }
+      bwd_epilogue<T>(args, smem, tdKrdK, tdVrdV, tile);
     }
-    bwd_epilogue<T>(args, smem, tdKrdK, tdVrdV, tid, head_kv, batch);
   }
 #elif defined(__CUDA_ARCH__)
   // Built for another target (e.g. plain sm_90 added by TORCH_CUDA_ARCH_LIST): fail loudly.

@@ -1,8 +1,10 @@
 // Host side of the backward: plan the workspace, build the TMA descriptors from the real strides and
-// launch preprocess -> [mask pre-pass] -> main kernel -> dQ postprocess on the caller's stream. No
-// allocation and no synchronisation (safe under CUDA graph capture).
+// launch preprocess -> [mask pre-pass] -> main kernel -> dQ postprocess on the caller's stream, the last two
+// as dependents of the kernel before them (pdl.hpp). No allocation and no synchronisation (safe under CUDA
+// graph capture).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -12,6 +14,7 @@
 #include "bwd_kernel_sm90.hpp"
 #include "bwd_prepost.hpp"
 #include "bwd_mask_prepass.hpp"
+#include "pdl.hpp"
 #include "smem_limit.hpp"
 
 namespace fa2 {
@@ -57,7 +60,9 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   int32_t* dq_sem = reinterpret_cast<int32_t*>(ws + plan.workspace.sem_offset);
   const int num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
   const int num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
-  if (num_m_blocks > 65535 || p.heads_q > 65535 || p.batch > 65535 || p.heads_q / p.heads_kv >= kMaxHeadRatio) {
+  const int64_t num_tiles = int64_t(num_n_blocks) * p.heads_kv * p.batch;
+  if (num_m_blocks > 65535 || p.heads_q > 65535 || p.batch > 65535 || num_tiles > INT32_MAX ||
+      p.heads_q / p.heads_kv >= kMaxHeadRatio) {
     return cudaErrorInvalidConfiguration;  // grid limits; step entries name 16-bit query tiles, 14-bit heads
   }
 
@@ -111,6 +116,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
       p.heads_q / p.heads_kv,
       num_m_blocks,
       num_n_blocks,
+      false, 0, 0, 0, 0, {}, {},  // the walk: set with the grid below
       // Causal deterministic: descending key tiles, the turn order of dq_turn (shortest CTAs first).
       T::kCausal && p.deterministic ? num_n_blocks - 1 : 0,
       T::kCausal && p.deterministic ? -1 : 1,
@@ -129,11 +135,22 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
                                      args.mask, stream);
     if (err != cudaSuccess) return err;
   }
-  auto kernel = &bwd_kernel_sm90<T>;
   err = allow_dynamic_smem<&bwd_kernel_sm90<T>>(T::kSmemBytes);
   if (err != cudaSuccess) return err;
-  kernel<<<dim3(num_n_blocks, p.heads_kv, p.batch), T::kThreads, T::kSmemBytes, stream>>>(args);
-  err = cudaGetLastError();
+  // One CTA per SM striding through the key tiles (in pairs under causal positions), or one per tile
+  // (deterministic: see BwdTileWalk).
+  const bool persistent = p.num_sms > 0 && !p.deterministic;
+  args.paired = persistent && p.causal;
+  args.slots_per_head = args.paired ? (num_n_blocks + 1) / 2 : num_n_blocks;
+  const int64_t slots = int64_t(args.slots_per_head) * p.heads_kv * p.batch;
+  const int64_t ctas = persistent ? std::min<int64_t>(slots, p.num_sms) : num_tiles;
+  args.stride_slots = int(ctas % args.slots_per_head);
+  args.stride_heads = int(ctas / args.slots_per_head % p.heads_kv);
+  args.stride_batches = int(ctas / (int64_t(args.slots_per_head) * p.heads_kv));
+  args.slots_divmod = cutlass::FastDivmod(args.slots_per_head);
+  args.heads_kv_divmod = cutlass::FastDivmod(p.heads_kv);
+  err = launch_after_prior_grid(&bwd_kernel_sm90<T>, dim3(unsigned(ctas)), dim3(T::kThreads), T::kSmemBytes, stream,
+                                args);
   if (err != cudaSuccess) return err;
 
   // 3. dQ = scale * accumulator.
@@ -141,11 +158,9 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_STORE{}, make_tensor(gmem_out(p.dq), ldq), typename T::SmemLayoutDQ{}, tile_q, _1{}),
       ldq.shape(), dq_accum, p.scale, p.heads_q, num_m_blocks};
   constexpr int kPostSmem = int(cosize_v<typename T::SmemLayoutDQ>) * int(sizeof(Element));
-  auto post_kernel = &bwd_postprocess<T>;
   err = allow_dynamic_smem<&bwd_postprocess<T>>(kPostSmem);
   if (err != cudaSuccess) return err;
-  post_kernel<<<query_grid, kPrepostThreads, kPostSmem, stream>>>(post);
-  return cudaGetLastError();
+  return launch_after_prior_grid(&bwd_postprocess<T>, query_grid, dim3(kPrepostThreads), kPostSmem, stream, post);
 }
 
 template <int HeadDim, DType Dt, bool Causal, MaskKind Kind>

@@ -18,6 +18,7 @@
 #include "bwd_traits.hpp"
 #include "bwd_mask.hpp"
 #include "global_reduce.hpp"  // red_add_f32x4
+#include "pdl.hpp"
 #include "softmax.hpp"  // acc_to_a_operand_layout
 
 namespace fa2 {
@@ -95,8 +96,9 @@ CUTE_DEVICE BwdSchedule<Traits> bwd_schedule(const BwdKernelArgs<Traits>& args, 
 
 // Deterministic mode: the key tiles adding into one query tile's dQ take turns in a fixed order; this
 // is the number of tiles before this one. Unmasked: ascending key tiles. Causal: descending (the grid
-// launches the short, high key tiles first, so no CTA waits for one not yet resident). Masked: the
-// pre-pass's rank among the visiting tiles, ascending (with a window, less the tiles before it).
+// launches the short, high key tiles first, through key_block_first/step, so no CTA waits for one not yet
+// resident). Masked: the pre-pass's rank among the visiting tiles, ascending (with a window, less the tiles
+// before it).
 template <class Traits>
 CUTE_DEVICE int dq_turn(const BwdKernelArgs<Traits>& args, int n_block, int m_block, int head, int batch) {
   using T = Traits;
@@ -119,14 +121,53 @@ CUTE_DEVICE int dq_turn(const BwdKernelArgs<Traits>& args, int n_block, int m_bl
   }
 }
 
-// The key tile of this CTA: blockIdx.x, or descending for causal deterministic launches (see dq_turn).
-// An affine map of blockIdx.x with kernel-parameter coefficients, cheap to recompute anywhere.
+// The key tiles: one per (key tile, kv head, batch), numbered with the key tiles of one (batch, kv head)
+// next to each other (causal: most query tiles first). A persistent launch has one CTA per SM striding
+// through them: the next tile's first Q and dO loads overlap the current tile's epilogue, and the launch and
+// set-up are paid once per SM. Otherwise each CTA runs the tile blockIdx.x, and the walks end after it.
+// Deterministic calls take one CTA per tile: a turn then only waits for tiles of CTAs launched before
+// (dq_turn), which every CTA of a striding grid is not guaranteed to be.
+// A striding CTA steps over slots: a key tile, or, under causal positions (args.paired), a pair of one
+// (batch, kv head)'s key tiles j and N-1-j, heavy then light, which together cost about the same whatever j
+// is (without pairs a stride that is a multiple of N would hand a CTA the same key tile of every head).
+// Every role walks its CTA's slots alike: the slot number kept as (slot, kv head, batch) and stepped by
+// gridDim.x in that form (args.stride_*) with carries, no division per tile, and the first one decoded by
+// multiplications (FastDivmod), so that the walk stays in uniform registers (with divisions it took vector
+// registers, and the D=64 causal kernel spilled).
 template <class Traits>
-CUTE_DEVICE int bwd_key_block(const BwdKernelArgs<Traits>& args) {
-  int x;
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x) : : "memory");  // re-read at each use, never held in a register
-  return args.key_block_first + args.key_block_step * x;
-}
+struct BwdTileWalk {
+  int slot, head_kv, batch;
+  int side = 0;  // paired slots: 0 the heavy key tile j, 1 the light one N-1-j
+
+  CUTE_DEVICE explicit BwdTileWalk(const BwdKernelArgs<Traits>& args) {
+    int slice;
+    args.slots_divmod.fast_divmod(slice, slot, int(blockIdx.x));
+    args.heads_kv_divmod.fast_divmod(batch, head_kv, slice);
+  }
+  CUTE_DEVICE bool valid(const BwdKernelArgs<Traits>& args) const { return batch < get<3>(args.shape_kv); }
+  CUTE_DEVICE void next(const BwdKernelArgs<Traits>& args) {
+    if (args.paired && side == 0 && 2 * slot + 1 < args.num_n_blocks) {  // the pair's light tile, if it has one
+      side = 1;
+      return;
+    }
+    side = 0;
+    slot += args.stride_slots;
+    head_kv += args.stride_heads;
+    batch += args.stride_batches;
+    if (slot >= args.slots_per_head) {
+      slot -= args.slots_per_head;
+      ++head_kv;
+    }
+    if (head_kv >= get<2>(args.shape_kv)) {
+      head_kv -= get<2>(args.shape_kv);
+      ++batch;
+    }
+  }
+  CUTE_DEVICE BwdTile tile(const BwdKernelArgs<Traits>& args) const {
+    const int key_index = side ? args.num_n_blocks - 1 - slot : slot;
+    return {args.key_block_first + args.key_block_step * key_index, head_kv, batch};
+  }
+};
 
 // Index of the (batch, head, query tile) among all query tiles: its LSE/D rows, dQ partial and turn
 // counter. 32 bits suffice: the float32 dQ accumulator holds kBlockM * D floats per tile, so 2^31 tiles
@@ -179,118 +220,145 @@ CUTE_DEVICE void warpgroup_barrier_arrive(int wg, int threads) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Producer: warp 0 walks the schedule (warp-uniform, so its bookkeeping stays in uniform registers)
-// and lane 0 issues every load. K and V once (one barrier); per step the Q tile with its LSE rows on
-// the Q pipeline and the dO tile with its D rows on the dO pipeline.
+// Producer: warp 0 walks the CTA's tiles and their schedules (warp-uniform, so its bookkeeping stays in
+// uniform registers) and lane 0 issues every load. Per tile K and V once, completing a phase of
+// barrier_kv (a tile without steps completes it with a plain arrival, so that phases count tiles); per step
+// the Q tile with its LSE rows on the Q pipeline and the dO tile with its D rows on the dO pipeline. K and
+// V wait for the previous tile's epilogue, which stages dK and dV in their buffers; the tile's first Q and
+// dO go out before that wait.
 template <class Traits>
 CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
-                          typename Traits::PipelineQ& pipe_q, typename Traits::PipelineDO& pipe_do, int n_block,
-                          int head_kv, int batch) {
+                          typename Traits::PipelineQ& pipe_q, typename Traits::PipelineDO& pipe_do) {
   using T = Traits;
   Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename T::SmemLayoutQ{});
   Tensor sDO = make_tensor(make_smem_ptr(smem.dout.data()), typename T::SmemLayoutDO{});
   Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutV{});
-
   Tensor mK = args.tma_k.get_tma_tensor(args.shape_kv);
   Tensor mV = args.tma_v.get_tma_tensor(args.shape_kv);
-  Tensor gK = local_tile(mK(_, _, head_kv, batch), Shape<typename T::TileN, typename T::TileD>{},
-                         make_coord(n_block, _0{}));
-  Tensor gV = local_tile(mV(_, _, head_kv, batch), Shape<typename T::TileN, typename T::TileD>{},
-                         make_coord(n_block, _0{}));
-  auto [tKgK, tKsK] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-  auto [tVgV, tVsV] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-  const bool leader = threadIdx.x % 32 == 0;  // the pipelines' leader (is_leader) too
-  if (leader) {
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_kv, 2 * T::kBytesKV);
-    copy(args.tma_k.with(smem.barrier_kv, 0), tKgK, tKsK);
-    copy(args.tma_v.with(smem.barrier_kv, 0), tVgV, tVsV);
-  }
-
   Tensor mQ = args.tma_q.get_tma_tensor(args.shape_q);
   Tensor mDO = args.tma_do.get_tma_tensor(args.shape_q);
-  auto write_q = cutlass::make_producer_start_state<typename T::PipelineQ>();
-  auto write_do = cutlass::make_producer_start_state<typename T::PipelineDO>();
-  const BwdSchedule<T> schedule = bwd_schedule<T>(args, n_block, head_kv, batch);
-#pragma unroll 1  // 24 registers: one step's bookkeeping at a time
-  for (int step = 0; step < schedule.count; ++step) {
-    const int entry = schedule.entry(args, step);
-    const int head = head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);  // K/V never copied
-    const int m_block = BwdSchedule<T>::block(entry);
-    const int stats_row = query_tile_index<T>(args, batch, head, m_block) * T::kBlockM;
+  const bool leader = threadIdx.x % 32 == 0;  // the pipelines' leader (is_leader) too
+  auto write = cutlass::make_producer_start_state<typename T::PipelineQ>();  // Q's and dO's (StepState)
 
-    pipe_q.producer_acquire(write_q);
-    if (leader) {
-      Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<typename T::TileM, typename T::TileD>{},
-                             make_coord(m_block, _0{}));
-      auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      uint64_t* bar_q = pipe_q.producer_get_barrier(write_q);
-      copy(args.tma_q.with(*bar_q, 0), tQgQ, tQsQ(_, write_q.index()));
-      SM90_BULK_COPY_G2S::copy(args.lse + stats_row, bar_q, smem.lse.data() + write_q.index() * T::kBlockM,
-                               T::kBytesRowStats);
-    }
-    ++write_q;
+  int iteration = 0;
+  for (BwdTileWalk<T> walk(args); walk.valid(args); walk.next(args), ++iteration) {
+    const BwdTile tile = walk.tile(args);
+    const BwdSchedule<T> schedule = bwd_schedule<T>(args, tile.n_block, tile.head_kv, tile.batch);
+    auto load_step = [&](int step) {
+      const int entry = schedule.entry(args, step);
+      const int head = tile.head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);  // K/V never copied
+      const int m_block = BwdSchedule<T>::block(entry);
+      const int stats_row = query_tile_index<T>(args, tile.batch, head, m_block) * T::kBlockM;
 
-    pipe_do.producer_acquire(write_do);
-    if (leader) {
-      Tensor gDO = local_tile(mDO(_, _, head, batch), Shape<typename T::TileM, typename T::TileD>{},
-                              make_coord(m_block, _0{}));
-      auto [tDOgDO, tDOsDO] =
-          tma_partition(args.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sDO), group_modes<0, 2>(gDO));
-      uint64_t* bar_do = pipe_do.producer_get_barrier(write_do);
-      copy(args.tma_do.with(*bar_do, 0), tDOgDO, tDOsDO(_, write_do.index()));
-      SM90_BULK_COPY_G2S::copy(args.dsum + stats_row, bar_do, smem.dsum.data() + write_do.index() * T::kBlockM,
-                               T::kBytesRowStats);
+      pipe_q.producer_acquire(write);
+      if (leader) {
+        Tensor gQ = local_tile(mQ(_, _, head, tile.batch), Shape<typename T::TileM, typename T::TileD>{},
+                               make_coord(m_block, _0{}));
+        auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        uint64_t* bar_q = pipe_q.producer_get_barrier(write);
+        copy(args.tma_q.with(*bar_q, 0), tQgQ, tQsQ(_, write.index()));
+        SM90_BULK_COPY_G2S::copy(args.lse + stats_row, bar_q, smem.lse.data() + write.index() * T::kBlockM,
+                                 T::kBytesRowStats);
+      }
+
+      pipe_do.producer_acquire(write);
+      if (leader) {
+        Tensor gDO = local_tile(mDO(_, _, head, tile.batch), Shape<typename T::TileM, typename T::TileD>{},
+                                make_coord(m_block, _0{}));
+        auto [tDOgDO, tDOsDO] =
+            tma_partition(args.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sDO), group_modes<0, 2>(gDO));
+        uint64_t* bar_do = pipe_do.producer_get_barrier(write);
+        copy(args.tma_do.with(*bar_do, 0), tDOgDO, tDOsDO(_, write.index()));
+        SM90_BULK_COPY_G2S::copy(args.dsum + stats_row, bar_do, smem.dsum.data() + write.index() * T::kBlockM,
+                                 T::kBytesRowStats);
+      }
+      ++write;
+    };
+
+    // Each tile waits for the preprocess's LSE and D rows (pdl.hpp) after its K/V, before its own Q and dO:
+    // at once but for the first, whose K/V load overlaps the preprocess; later tiles send their first Q and
+    // dO early, the rows ready since the first tile's wait.
+    const bool first_step_early = schedule.count > 0 && iteration > 0;
+    if (first_step_early) load_step(0);
+    if (iteration > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv_free, (iteration - 1) % 2);
+    if (schedule.count == 0) {  // no query sees these keys: nothing to load, the epilogue writes zeros
+      if (leader) cutlass::arch::ClusterBarrier::arrive(&smem.barrier_kv);
+      wait_for_prior_grid();
+      continue;
     }
-    ++write_do;
+    if (leader) {
+      Tensor gK = local_tile(mK(_, _, tile.head_kv, tile.batch), Shape<typename T::TileN, typename T::TileD>{},
+                             make_coord(tile.n_block, _0{}));
+      Tensor gV = local_tile(mV(_, _, tile.head_kv, tile.batch), Shape<typename T::TileN, typename T::TileD>{},
+                             make_coord(tile.n_block, _0{}));
+      auto [tKgK, tKsK] = tma_partition(args.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVgV, tVsV] = tma_partition(args.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_kv, 2 * T::kBytesKV);
+      copy(args.tma_k.with(smem.barrier_kv, 0), tKgK, tKsK);
+      copy(args.tma_v.with(smem.barrier_kv, 0), tVgV, tVsV);
+    }
+    wait_for_prior_grid();
+#pragma unroll 1  // one step's bookkeeping at a time
+    for (int step = first_step_early ? 1 : 0; step < schedule.count; ++step) load_step(step);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // dQ writer (kStagedDq): one warp adds each warpgroup's staged dQ partial to the float32 accumulator
-// with a bulk reduction, then hands the staging buffer back. Deterministic mode: waits for its turn on
-// the query tile's counter first, and passes the turn on once the reductions have completed.
+// with a bulk reduction, then hands the staging buffer back (except after the CTA's last step: the MMA
+// warps wait for exactly one hand-over per step). Deterministic mode: waits for its turn on the query tile's
+// counter first, and passes the turn on once the reductions have completed.
 template <class Traits>
-CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
-                               int n_block, int head_kv, int batch) {
+CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem) {
   using T = Traits;
   constexpr int kHalf = T::kDqFloats / 2;  // one warpgroup's part of a tile's partial
   constexpr int kSyncThreads = 128 + 32;
   const bool leader = threadIdx.x % 32 == 0;
-  const BwdSchedule<T> schedule = bwd_schedule<T>(args, n_block, head_kv, batch);
-  if (schedule.count == 0) return;
+  int steps_left = 0;
+  for (BwdTileWalk<T> walk(args); walk.valid(args); walk.next(args)) {
+    const BwdTile tile = walk.tile(args);
+    steps_left += bwd_schedule<T>(args, tile.n_block, tile.head_kv, tile.batch).count;
+  }
+  if (steps_left == 0) return;
+  wait_for_prior_grid();  // the accumulator and turn counters the preprocess zeroed
   CUTE_UNROLL
   for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
     cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);  // staging starts empty
   }
-#pragma unroll 1  // 24 registers: one step's bookkeeping at a time
-  for (int step = 0; step < schedule.count; ++step) {
-    const int entry = schedule.entry(args, step);
-    const int head = head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);
-    const int m_block = BwdSchedule<T>::block(entry);
-    const int tile = query_tile_index<T>(args, batch, head, m_block);
-    float* accum = args.dq_accum + int64_t(tile) * T::kDqFloats;
-    if (args.deterministic && leader) {
-      wait_turn(args.dq_sem + tile, 2 * dq_turn<T>(args, n_block, m_block, head, batch));
-      fence_proxy_async_global();
-    }
-    __syncwarp();  // the whole warp meets the named barriers
-    CUTE_UNROLL
-    for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
-      cutlass::arch::NamedBarrier::sync(kSyncThreads, kBwdBarrierDqFull + wg);
-      if (leader) {
-        bulk_reduce_add(accum + wg * kHalf, smem.dq.data() + wg * kHalf, kHalf * int(sizeof(float)));
-        tma_store_arrive();
-        tma_store_wait<0>();  // the staging buffer has been read
+  for (BwdTileWalk<T> walk(args); walk.valid(args); walk.next(args)) {
+    const BwdTile tile = walk.tile(args);
+    const BwdSchedule<T> schedule = bwd_schedule<T>(args, tile.n_block, tile.head_kv, tile.batch);
+#pragma unroll 1  // one step's bookkeeping at a time
+    for (int step = 0; step < schedule.count; ++step) {
+      const int entry = schedule.entry(args, step);
+      const int head = tile.head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);
+      const int m_block = BwdSchedule<T>::block(entry);
+      const int query_tile = query_tile_index<T>(args, tile.batch, head, m_block);
+      float* accum = args.dq_accum + int64_t(query_tile) * T::kDqFloats;
+      if (args.deterministic && leader) {
+        wait_turn(args.dq_sem + query_tile, 2 * dq_turn<T>(args, tile.n_block, m_block, head, tile.batch));
+        fence_proxy_async_global();
       }
-      __syncwarp();
-      if (step + 1 < schedule.count) cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);
-    }
-    if (args.deterministic && leader) {
-      bulk_wait_complete();
-      fence_proxy_async_global();
-      __threadfence();
-      atomicAdd(args.dq_sem + tile, 2);
+      --steps_left;
+      __syncwarp();  // the whole warp meets the named barriers
+      CUTE_UNROLL
+      for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
+        cutlass::arch::NamedBarrier::sync(kSyncThreads, kBwdBarrierDqFull + wg);
+        if (leader) {
+          bulk_reduce_add(accum + wg * kHalf, smem.dq.data() + wg * kHalf, kHalf * int(sizeof(float)));
+          tma_store_arrive();
+          tma_store_wait<0>();  // the staging buffer has been read
+        }
+        __syncwarp();
+        if (steps_left > 0) cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);
+      }
+      if (args.deterministic && leader) {
+        bulk_wait_complete();
+        fence_proxy_async_global();
+        __threadfence();
+        atomicAdd(args.dq_sem + query_tile, 2);
+      }
     }
   }
   if (leader) bulk_wait_complete();
@@ -304,9 +372,8 @@ CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Trait
 // (+inf for empty and padding rows, so P = 0 there).
 template <class Traits, class TensorS, class TensorC>
 CUTE_DEVICE void probabilities(const BwdKernelArgs<Traits>& args, TensorS& tSrS, const TensorC& tScS,
-                               const float* lse, int entry, int m_block, int head, int batch) {
+                               const float* lse, int entry, int m_block, int n_block, int head, int batch) {
   using T = Traits;
-  const int n_block = bwd_key_block<T>(args);
   const int m0 = m_block * T::kBlockM, n0 = n_block * T::kBlockN;
   const bool key_tail = n0 + T::kBlockN > args.seqlen_k;
   if constexpr (T::kMask == MaskKind::kAdditive) {
@@ -428,12 +495,12 @@ CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::Shar
   }
 }
 
-// The whole key loop of one MMA warpgroup thread; on return tdKrdK (unscaled) and tdVrdV hold its
-// part of dK / scale and dV.
+// The key loop of one MMA warpgroup thread over `tile`, once its K and V have landed; on return tdKrdK (unscaled) and tdVrdV hold its part of dK / scale and dV. `read` (the Q and
+// dO pipelines' state) carries on from tile to tile.
 template <class Traits, class FragDKV>
 CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                          typename Traits::PipelineQ& pipe_q, typename Traits::PipelineDO& pipe_do,
-                         FragDKV& tdKrdK, FragDKV& tdVrdV, int tid, int head_kv, int batch) {
+                         typename Traits::StepState& read, FragDKV& tdKrdK, FragDKV& tdVrdV, const BwdTile& tile, int tid) {
   using T = Traits;
   using Element = typename T::Element;
   using TileM = typename T::TileM;
@@ -476,35 +543,34 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
 
   clear(tdKrdK);
   clear(tdVrdV);
-  cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv, 0);
 
-  typename T::PipelineQ::PipelineState read_q;
-  typename T::PipelineDO::PipelineState read_do;
-  const BwdSchedule<T> schedule = bwd_schedule<T>(args, bwd_key_block<T>(args), head_kv, batch);
+  const int n_block = tile.n_block, batch = tile.batch;
+  const BwdSchedule<T> schedule = bwd_schedule<T>(args, n_block, tile.head_kv, batch);
   for (int step = 0; step < schedule.count; ++step) {
     {  // one step: one query tile of one query head
       const int entry = schedule.entry(args, step);
-      const int head = head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);
+      const int head = tile.head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);
       const int m_block = BwdSchedule<T>::block(entry);
       const int m0 = m_block * T::kBlockM;
       const int ds_stage = step % T::kStagesDS;
 
       Tensor tSrS = partition_fragment_C(mma_sdp, Shape<TileN, TileM>{});
       Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<TileN, TileM>{});
-      pipe_q.consumer_wait(read_q);
-      wg_gemm<true, -1, false>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
-      pipe_do.consumer_wait(read_do);
-      wg_gemm<true, -1, false>(mma_sdp, tdPrV, tdPrdO(_, _, _, read_do.index()), tdPrdP);
+      pipe_q.consumer_wait(read);
+      wg_gemm<true, -1, false>(mma_sdp, tSrK, tSrQ(_, _, _, read.index()), tSrS);
+      pipe_do.consumer_wait(read);
+      wg_gemm<true, -1, false>(mma_sdp, tdPrV, tdPrdO(_, _, _, read.index()), tdPrdP);
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
-      probabilities<T>(args, tSrS, tScS, smem.lse.data() + read_q.index() * T::kBlockM, entry, m_block, head, batch);
+      probabilities<T>(args, tSrS, tScS, smem.lse.data() + read.index() * T::kBlockM, entry, m_block, n_block, head,
+                       batch);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdPrdP);
-      score_gradients<T>(args, tdPrdP, tSrS, tScS, smem.dsum.data() + read_do.index() * T::kBlockM,
-                         smem.lse.data() + read_q.index() * T::kBlockM);
+      score_gradients<T>(args, tdPrdP, tSrS, tScS, smem.dsum.data() + read.index() * T::kBlockM,
+                         smem.lse.data() + read.index() * T::kBlockM);
       if constexpr (T::kMask == MaskKind::kAdditive) {
         if (args.mask.dmask != nullptr) {
-          add_mask_gradient(args.mask, tdPrdP, tScS, batch, head, m0, bwd_key_block<T>(args) * T::kBlockN,
+          add_mask_gradient(args.mask, tdPrdP, tScS, batch, head, m0, n_block * T::kBlockN,
                             args.seqlen_q, args.seqlen_k);
         }
       }
@@ -515,27 +581,27 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
       convert_pairs(rdS, tdPrdP);
       Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<TileM, TileD>{});
       auto tdQrdS_step = tdQrdS(_, _, _, ds_stage);
-      const int tile = query_tile_index<T>(args, batch, head, m_block);
+      const int query_tile = query_tile_index<T>(args, batch, head, m_block);
       const int turn =
-          !T::kStagedDq && args.deterministic ? dq_turn<T>(args, bwd_key_block<T>(args), m_block, head, batch) : 0;
+          !T::kStagedDq && args.deterministic ? dq_turn<T>(args, n_block, m_block, head, batch) : 0;
       if constexpr (T::kSplitKeys) {
         // dV += P^T.dO straight from registers, while dS goes to shared memory for dQ.
         Tensor tdVrP = make_tensor(rP.data(), acc_to_a_operand_layout(rP.layout()));
-        wg_gemm<false, -1, true>(mma_dkv, tdVrP, tdVrdO(_, _, _, read_do.index()), tdVrdV);
+        wg_gemm<false, -1, true>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
         copy(copy_pds, thr_copy_pds.retile_S(rdS), tPdSsdS(_, _, _, ds_stage));
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierDsReady);
         wg_gemm<true, -1, false>(mma_dq, tdQrdS_step, tdQrK, tdQrdQ);
         Tensor tdKrdS = make_tensor(rdS.data(), acc_to_a_operand_layout(rdS.layout()));
-        wg_gemm<false, -1, true>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read_q.index()), tdKrdK);
+        wg_gemm<false, -1, true>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);
         warpgroup_wait<1>();  // dV and dQ done, dK may still run
         warpgroup_fence_operand(tdQrdQ);
-        pipe_do.consumer_release(read_do);
-        add_dq<T>(args, smem, tdQrdQ, tid, tile, turn);
+        pipe_do.consumer_release(read);
+        add_dq<T>(args, smem, tdQrdQ, tid, query_tile, turn);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);
-        pipe_q.consumer_release(read_q);
+        pipe_q.consumer_release(read);
       } else {
         // P and dS both through shared memory; every GEMM after the barrier reads all of them.
         Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename T::SmemLayoutPdSt{});
@@ -546,20 +612,19 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierDsReady);
         wg_gemm<true, -1, false>(mma_dq, tdQrdS_step, tdQrK, tdQrdQ);
         auto tdVrPt = thr_dkv.partition_fragment_A(sPt)(_, _, _, ds_stage);
-        wg_gemm<false, -1, false>(mma_dkv, tdVrPt, tdVrdO(_, _, _, read_do.index()), tdVrdV);
+        wg_gemm<false, -1, false>(mma_dkv, tdVrPt, tdVrdO(_, _, _, read.index()), tdVrdV);
         auto tdKrdSt = thr_dkv.partition_fragment_A(sdSt)(_, _, _, ds_stage);
-        wg_gemm<false, -1, false>(mma_dkv, tdKrdSt, tdKrQ(_, _, _, read_q.index()), tdKrdK);
+        wg_gemm<false, -1, false>(mma_dkv, tdKrdSt, tdKrQ(_, _, _, read.index()), tdKrdK);
         warpgroup_wait<2>();  // dQ done; its adds overlap dV and dK
         warpgroup_fence_operand(tdQrdQ);
-        add_dq<T>(args, smem, tdQrdQ, tid, tile, turn);
+        add_dq<T>(args, smem, tdQrdQ, tid, query_tile, turn);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);
-        pipe_do.consumer_release(read_do);
-        pipe_q.consumer_release(read_q);
+        pipe_do.consumer_release(read);
+        pipe_q.consumer_release(read);
       }
-      ++read_q;
-      ++read_do;
+      ++read;
     }
   }
 }

@@ -42,6 +42,7 @@ struct BwdParams {
   int window_left = -1;        // with causal: query i sees only keys j >= i - window_left; -1: no window
   float softcap = 0.0f;        // > 0: the forward soft-capped the scaled scores (not with an additive mask)
   bool deterministic = false;  // dQ (and dmask) summed in a fixed order: bit-identical run to run
+  int num_sms = 0;             // the device's SMs: the main kernel launches one CTA on each (0: one per key tile)
 
   // Attention mask (masked instantiations only), seen as [B, Hq, Sq, Sk] through its strides (0 on
   // broadcast dims), exactly as FwdParams describes it. The masked instantiations take causal and the

@@ -11,6 +11,7 @@
 #include <cutlass/numeric_conversion.h>
 
 #include "bwd_traits.hpp"
+#include "pdl.hpp"
 
 namespace fa2 {
 
@@ -46,6 +47,7 @@ template <class Traits>
 __global__ void __launch_bounds__(kPrepostThreads) bwd_preprocess(const BwdPreprocessArgs a) {
   using T = Traits;
   using Element = typename T::Element;
+  allow_dependent_grid();  // the main kernel may launch now: its K/V loads do not need these rows
   constexpr int kVec = 16 / int(sizeof(Element));        // elements per 16-byte load
   constexpr int kVecsPerRow = T::kHeadDim / kVec;          // 8, 16, 24 or 32
   // A power of two within one warp (the shuffle reduction's); D = 192's 24 loads take 32 lanes, 8 idle.
@@ -105,6 +107,7 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_postprocess(CUTE_GRID_CON
   using Element = typename T::Element;
   static_assert(kPrepostThreads == T::kMmaThreads);
   extern __shared__ __align__(1024) unsigned char smem_raw[];
+  wait_for_prior_grid();  // the main kernel's last additions
   const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
   const int tid = threadIdx.x;
   const int tile = (batch * a.heads_q + head) * a.num_m_blocks + m_block;  // as query_tile_index

@@ -8,6 +8,7 @@
 #include <cute/atom/mma_atom.hpp>
 #include <cute/atom/copy_atom.hpp>
 #include <cutlass/cutlass.h>
+#include <cutlass/fast_math.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
@@ -70,6 +71,11 @@ enum BwdBarrier : int {
   kBwdBarrierDqFull = 2,    // + warpgroup: its dQ partial is staged (warpgroup + dQ writer warp)
   kBwdBarrierDqEmpty = 4,   // + warpgroup: the writer has read the staged partial
   kBwdBarrierDqTurn = 6,    // + warpgroup: deterministic mode, direct dQ adds (one warpgroup)
+};
+
+// A key tile of the backward: the unit of work of a CTA (bwd_mainloop_sm90.hpp's BwdTileWalk).
+struct BwdTile {
+  int n_block, head_kv, batch;
 };
 
 template <int HeadDim_, DType Dt, bool Causal_, MaskKind Mask_ = MaskKind::kNone>
@@ -170,6 +176,9 @@ struct BwdTraits {
 
   using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
   using PipelineDO = cutlass::PipelineTmaAsync<kStagesDO>;
+  // Q and dO advance together, a stage per step: one pipeline state serves both (two registers fewer).
+  static_assert(kStagesQ == kStagesDO);
+  using StepState = typename PipelineQ::PipelineState;
 
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
@@ -193,7 +202,9 @@ struct BwdTraits {
     cute::array_aligned<float, kBlockM * kStagesDO, 128> dsum;
     typename PipelineQ::SharedStorage pipe_q;
     typename PipelineDO::SharedStorage pipe_do;
-    alignas(8) uint64_t barrier_kv;
+    alignas(8) uint64_t barrier_kv;       // K and V of the tile have landed
+    alignas(8) uint64_t barrier_kv_free;  // the tile's dK/dV stores have read the K and V buffers
+    int kv_phase;                         // the barrier_kv phase the MMA warps wait for next
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile config exceeds shared memory");
@@ -251,7 +262,13 @@ struct BwdKernelArgs {
   int32_t* dq_sem;
   int seqlen_q, seqlen_k, heads_q, head_ratio;  // head_ratio = Hq / Hkv
   int num_m_blocks, num_n_blocks;
-  int key_block_first, key_block_step;  // key tile = first + step * blockIdx.x
+  // BwdTileWalk: slots per (batch, kv head) (num_n_blocks, or pairs of key tiles), gridDim.x as (slots, kv
+  // heads, batches), and the divisions of a CTA's first slot.
+  bool paired;
+  int slots_per_head;
+  int stride_slots, stride_heads, stride_batches;
+  cutlass::FastDivmod slots_divmod, heads_kv_divmod;
+  int key_block_first, key_block_step;  // key tile = first + step * (the tile's place in its kv head)
   float scale;      // softmax scale
   float scale_log2; // scale * log2(e)
   bool deterministic;

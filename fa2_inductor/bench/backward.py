@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import _cuda
 from ..ops import flash_attention
+from .implementations import one_cta_per_tile
 from .cases import CAUSAL_CHOICES, DTYPES, Cell, attention_flops, sweep_cells
 from .measure import CellResult, Measurement, describe_exception, timing_row
 from .plot import draw_plot
@@ -31,6 +32,7 @@ from .timing import medians_in_turns
 
 MODES = {"fwd+bwd": 3.5, "bwd": 2.5}  # FLOPs as multiples of the forward's
 IMPLS = ("fa2_inductor", "sdpa_flash", "sdpa_cudnn")
+PER_TILE = {"fa2_per_tile"}  # forward and backward calls of these run with one CTA per tile
 # max |grad - reference| <= tolerance * max |reference| for each of dq, dk, dv.
 GRAD_TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
@@ -60,9 +62,14 @@ def _sdpa(backend: SDPBackend) -> Callable:
 # name -> build(q, k, v, causal, scale) -> forward() -> out (differentiable); build raises NotAvailable.
 FORWARDS: dict[str, Callable] = {
     "fa2_inductor": _ours,
+    "fa2_per_tile": _ours,  # launched one CTA per tile: what the persistent grids gain (PER_TILE)
     "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
     "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
 }
+
+
+def _as_launched(call: Callable) -> Callable:
+    return call
 
 
 def _inputs(cell: Cell, device: torch.device, seed: int):
@@ -97,12 +104,13 @@ def measure_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> 
     record = {"dtype": cell.dtype, "causal": cell.causal, "head_dim": cell.head_dim, "seqlen": cell.seqlen,
               "batch": cell.batch, "heads": cell.heads, "modes": {mode: {} for mode in MODES}}
     checked = {}  # name -> (forward, its output with the graph retained, max abs error)
+    launch = {name: one_cta_per_tile if name in PER_TILE else _as_launched for name in args.impls}
     for name in args.impls:
         try:
             forward = FORWARDS[name](q, k, v, cell.causal, scale)
-            out = forward()
-            error, ok = gradients_close(torch.autograd.grad(out, inputs, g, retain_graph=True), reference,
-                                        DTYPES[cell.dtype])
+            out = launch[name](forward)()
+            gradients = launch[name](lambda: torch.autograd.grad(out, inputs, g, retain_graph=True))()
+            error, ok = gradients_close(gradients, reference, DTYPES[cell.dtype])
         except NotAvailable as exc:
             _set_every_mode(record, name, {"status": "n/a", "reason": str(exc)})
         except Exception as exc:  # a backend refusing the cell (cuDNN at head dim 256), out of memory, ...
@@ -117,11 +125,12 @@ def measure_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> 
         "bwd": lambda forward, out: lambda: torch.autograd.grad(out, inputs, g, retain_graph=True),
     }
     for mode, factor in MODES.items():
-        calls = {name: steps[mode](forward, out) for name, (forward, out, _) in checked.items()}
+        calls = {name: launch[name](steps[mode](forward, out)) for name, (forward, out, _) in checked.items()}
         for name, ms in medians_in_turns(calls, [()], device, warmup=args.warmup, reps=args.reps).items():
             record["modes"][mode][name] = {**timing_row(ms, factor * forward_flops), "max_abs_error": checked[name][2]}
     if args.profile:
-        backward_calls = {name: repeated(steps["bwd"](forward, out)) for name, (forward, out, _) in checked.items()}
+        backward_calls = {name: repeated(launch[name](steps["bwd"](forward, out)))
+                          for name, (forward, out, _) in checked.items()}
         profile_calls(args.profile, backward_calls, f"{cell.dtype} {'causal' if cell.causal else 'non-causal'} "
                       f"d{cell.head_dim} seqlen {cell.seqlen} bwd", device)
     record["modes"] = {mode: {name: rows[name] for name in args.impls} for mode, rows in record["modes"].items()}

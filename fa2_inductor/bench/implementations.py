@@ -37,14 +37,14 @@ def _fa2_inductor(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -
 
 
 def one_cta_per_tile(call: Callable) -> Callable:
-    """`call` with our forward launched one CTA per query tile instead of one per SM (what the persistent
-    scheduler gains; kernels without it run alike either way); the persistent grid is back after each call."""
+    """`call` with our kernels launched one CTA per tile instead of one per SM (what the persistent grid
+    gains; kernels without it run alike either way); the persistent grid is back after each call."""
     def per_tile(*args):
-        _extension.C.set_persistent_forward(False)
+        _extension.C.set_persistent_grid(False)
         try:
             return call(*args)
         finally:
-            _extension.C.set_persistent_forward(True)
+            _extension.C.set_persistent_grid(True)
 
     return per_tile
 

@@ -2,8 +2,8 @@
 reference with FlashAttention's 2x rule (the kernel's max error at most twice that of plain PyTorch
 attention computed by autograd in the input dtype), over head dims x dtypes x causal x masks, odd sizes,
 Sq != Sk, GQA/MQA, strided inputs and outputs, NaN-poisoned gradient buffers, fully masked rows (zero
-gradients, never NaN) and the deterministic mode (two runs bit-equal). Skipped unless an sm_90 GPU and
-fa2_inductor._C with the backward exist.
+gradients, never NaN), the deterministic mode (two runs bit-equal) and the persistent grid against one CTA
+per tile. Skipped unless an sm_90 GPU and fa2_inductor._C with the backward exist.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 
 import fa2_inductor  # noqa: E402
 from fa2_inductor import _cuda, _extension  # noqa: E402
+from fa2_inductor.bench.implementations import one_cta_per_tile  # noqa: E402
 from fa2_inductor.reference import attention_backward, attention_reference  # noqa: E402
 
 if _extension.C is None:
@@ -452,3 +453,42 @@ def test_unsupported_backward_reasons():
         assert _cuda.backward_kernel_unsupported_reason(q, q, k, v, q, bias.expand(1, 2, 16, 16).clone(), False, True) is None
     finally:
         torch.use_deterministic_algorithms(previous)
+
+
+# ---- the persistent grid ----------------------------------------------------------------------------
+
+# name -> ((B, Hq, Hkv, Sq, Sk), is_causal, mask): several key tiles per CTA on 132 SMs; the last three leave
+# key tiles that no query sees (keys past a short causal query range, a batch padded to nothing) between
+# tiles with work, so a CTA's stride runs tiles without steps.
+PERSISTENT_CASES = {
+    "full": ((3, 48, 48, 700, 700), False, None),
+    "gqa_causal": ((3, 48, 16, 700, 700), True, None),
+    "causal_more_keys": ((2, 32, 32, 150, 1500), True, None),
+    "padding": ((4, 32, 32, 600, 600), False, padding_bool),
+    "padding_causal": ((4, 32, 32, 600, 600), True, padding_bool),
+}
+
+
+@pytest.mark.parametrize("case", list(PERSISTENT_CASES))
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_backward_persistent_grid(d, dt, case):
+    """One CTA per SM striding through the key tiles (the default) against one CTA per tile: dK and dV
+    bit-equal (a tile sums its steps in the same order either way), dQ (added in whatever order the tiles
+    finish) and all three within the 2x rule."""
+    needs_kernel(d, dt)
+    (b, hq, hkv, sq, sk), is_causal, make_mask = PERSISTENT_CASES[case]
+    q, k, v = make_qkv(b, hq, hkv, sq, sk, d, DTYPES[dt], seed=d + sq)
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    mask = None if make_mask is None else make_mask(b, hq, sq, sk, gen)
+    g = torch.randn(q.shape, device=DEV, dtype=q.dtype, generator=gen)
+    scale = 1 / math.sqrt(d)
+    persistent = kernel_grads(q, k, v, g, scale, is_causal, mask)
+    per_tile = one_cta_per_tile(lambda: kernel_grads(q, k, v, g, scale, is_causal, mask))()
+    assert torch.equal(persistent[1], per_tile[1]), "dk: persistent and one-CTA-per-tile differ"
+    assert torch.equal(persistent[2], per_tile[2]), "dv: persistent and one-CTA-per-tile differ"
+    ref = reference_grads(q, k, v, g, scale, is_causal, mask, False)
+    base = torch_grads(q, k, v, g, scale, is_causal, mask)
+    for grads in (persistent, per_tile):
+        for name, x, r, bse in zip(("dq", "dk", "dv"), grads, ref, base):
+            assert_twice_torch_error(name, x, r, bse)

@@ -16,6 +16,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
     pytest.skip("needs an sm_90 (Hopper) GPU", allow_module_level=True)
 
 from fa2_inductor import _cuda, _extension  # noqa: E402
+from fa2_inductor.bench import implementations  # noqa: E402
 from fa2_inductor.reference import attention_reference  # noqa: E402
 
 if _extension.C is None:
@@ -29,17 +30,8 @@ from tests.gpu.kernel_inputs import (  # noqa: E402
 
 @pytest.fixture
 def one_cta_per_tile():
-    """Switches the persistent grid off for a call and back on afterwards (the default)."""
-    switch = _extension.C.set_persistent_forward
-
-    def run(call):
-        switch(False)
-        try:
-            return call()
-        finally:
-            switch(True)
-
-    return run
+    """Runs a call with the persistent grid switched off (one CTA per tile), back on afterwards."""
+    return lambda call: implementations.one_cta_per_tile(call)()
 
 
 def fwd(q, k, v, is_causal, window_left=-1, rows_filter=None, softcap=0.0, out=None, lse=None):
