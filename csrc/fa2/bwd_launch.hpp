@@ -138,8 +138,8 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   err = allow_dynamic_smem<&bwd_kernel_sm90<T>>(T::kSmemBytes);
   if (err != cudaSuccess) return err;
   // One CTA per SM striding through the key tiles (in pairs under causal positions), or one per tile
-  // (deterministic: see BwdTileWalk).
-  const bool persistent = p.num_sms > 0 && !p.deterministic;
+  // (deterministic: see BwdTileWalk; long query sequences: kBwdStrideMaxSeqlenQ).
+  const bool persistent = p.num_sms > 0 && !p.deterministic && p.seqlen_q <= kBwdStrideMaxSeqlenQ;
   args.paired = persistent && p.causal;
   args.slots_per_head = args.paired ? (num_n_blocks + 1) / 2 : num_n_blocks;
   const int64_t slots = int64_t(args.slots_per_head) * p.heads_kv * p.batch;
