@@ -714,6 +714,26 @@ def test_results_document_has_a_section_per_benchmark_kind(tiny_run, tmp_path):
     assert "Not a benchmark JSON this version reads: " in text and "other.json" in text
 
 
+def test_results_backward_section_has_a_column_and_a_ratio_per_implementation_measured(tmp_path):
+    from fa2_inductor.bench import results
+
+    def timed(tflops):
+        return {"status": "ok", "ms": 1.0, "tflops": tflops}
+
+    record = {"dtype": "bf16", "causal": True, "head_dim": 128, "seqlen": 512, "batch": 32, "heads": 16,
+              "modes": {"bwd": {"fa2_inductor": timed(300.0), "fa2_per_tile": timed(250.0),
+                                "sdpa_cudnn": timed(200.0), "sdpa_flash": {"status": "failed: no kernel"}}}}
+    doc = {"environment": _environment(), "backward": [record],
+           "settings": {"impls": ["fa2_inductor", "fa2_per_tile", "sdpa_cudnn", "sdpa_flash"]}}
+    path = tmp_path / "backward.json"
+    path.write_text(json.dumps(doc))
+    text = results.render([path])
+
+    assert ("| dtype | mask | head dim | seqlen | mode | fa2_inductor | fa2_per_tile | sdpa_cudnn | sdpa_flash "
+            "| fa2/fa2_per_tile | fa2/cudnn | fa2/flash |") in text
+    assert "| bf16 | causal | 128 | 512 | bwd | 300.0 | 250.0 | 200.0 | - | 1.20 | 1.50 | - |" in text
+
+
 def test_docs_results_is_regenerated_from_docs_measurements():
     from fa2_inductor.bench import results
 

@@ -206,18 +206,18 @@ def _zoo(doc: dict, source: str) -> list[str]:
 
 def _backward(doc: dict, source: str) -> list[str]:
     lines = ["## Training (`python -m fa2_inductor.bench --backward`)", "", measured_on(doc["environment"], source), "",
-             "TFLOP/s (backward FLOPs = 2.5x the forward's; forward+backward = 3.5x); ratio = ours over the peer.", ""]
+             "TFLOP/s (backward FLOPs = 2.5x the forward's; forward+backward = 3.5x); fa2/x = ours over x.", ""]
+    impls = doc["settings"]["impls"]
+    peers = [impl for impl in impls if impl != FA2]
     rows = []
     for r in doc["backward"]:
-        for mode, impls in r["modes"].items():
-            tf = {name: m.get("tflops") for name, m in impls.items()}
-            ours, flash, cudnn = tf.get(FA2), tf.get("sdpa_flash"), tf.get("sdpa_cudnn")
+        for mode, measured in r["modes"].items():
+            tf = {name: measured.get(name, {}).get("tflops") for name in impls}
+            ours = tf.get(FA2)
             rows.append([r["dtype"], "causal" if r["causal"] else "full", r["head_dim"], r["seqlen"], mode,
-                         _number(ours), _number(flash), _number(cudnn),
-                         _number(ours / flash if ours and flash else None, 2),
-                         _number(ours / cudnn if ours and cudnn else None, 2)])
-    return lines + _table(["dtype", "mask", "head dim", "seqlen", "mode", "fa2_inductor", "sdpa_flash", "sdpa_cudnn",
-                           "fa2/flash", "fa2/cudnn"], rows)
+                         *(_number(tf[name]) for name in impls),
+                         *(_number(ours / tf[peer] if ours and tf[peer] else None, 2) for peer in peers)])
+    return lines + _table(["dtype", "mask", "head dim", "seqlen", "mode", *impls, *map(ratio_name, peers)], rows)
 
 
 # ---------------------------------------------------------------- python -m fa2_inductor.bench --backward --masks
