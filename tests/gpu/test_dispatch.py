@@ -333,6 +333,19 @@ def test_cuda_autograd_is_the_extensions_and_gives_the_ops_formula(case, fresh_c
     assert not fresh_counters, dict(fresh_counters)
 
 
+def _captured(run):
+    """A CUDA graph of run() (warmed up on a side stream, outside the capture) and the outputs it writes."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    return graph, captured
+
+
 @pytest.mark.parametrize("name", ["causal", "key_padding_causal_all_keys", "key_padding_causal_mean_v",
                                   "additive_f32", "dense_bool_2d_causal", "key_padding_causal_window_all_keys"])
 def test_cuda_graph_capture_and_replay(name):
@@ -343,14 +356,7 @@ def test_cuda_graph_capture_and_replay(name):
     def run():
         return op(*static, static_mask, scale, is_causal, window_left, empty_rows)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
+    graph, captured = _captured(run)
     for seed in (1, 2):  # new contents in the same buffers, then replay
         fresh = make_qkv(*q.shape[:2], k.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, seed=100 + seed)
         for buffer, values in zip(static, fresh):
@@ -386,14 +392,7 @@ def test_backward_cuda_graph_capture_and_replay(case, deterministic):
     previous = torch.are_deterministic_algorithms_enabled()
     try:
         torch.use_deterministic_algorithms(deterministic)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = run()
+        graph, captured = _captured(run)
         for seed in (1, 2):  # new contents in the same buffers, then replay
             for buffer, values in zip(static, inputs(30 + seed)):
                 buffer.copy_(values)
