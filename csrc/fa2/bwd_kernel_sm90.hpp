@@ -126,7 +126,7 @@ bwd_kernel_sm90(CUTE_GRID_CONSTANT const BwdKernelArgs<Traits> args) {
     typename T::StepState read;  // stage 0, phase 0: Q's and dO's
     // A phase of barrier_kv per tile (bwd_load), its parity kept in shared memory and read afresh: the MMA
     // warps have no register to spare across the tile loop.
-    for (BwdTileWalk<T> walk(args); walk.valid(args); walk.next(args)) {
+    for (BwdTileWalk walk(args); walk.valid(args); walk.next(args)) {
       cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv, *static_cast<volatile int*>(&smem.kv_phase));
       const BwdTile tile = walk.tile(args);
       if (bwd_schedule<T>(args, tile.n_block, tile.head_kv, tile.batch).count > 0) {

@@ -121,54 +121,6 @@ CUTE_DEVICE int dq_turn(const BwdKernelArgs<Traits>& args, int n_block, int m_bl
   }
 }
 
-// The key tiles: one per (key tile, kv head, batch), numbered with the key tiles of one (batch, kv head)
-// next to each other (causal: most query tiles first). A persistent launch has one CTA per SM striding
-// through them: the next tile's first Q and dO loads overlap the current tile's epilogue, and the launch and
-// set-up are paid once per SM. Otherwise each CTA runs the tile blockIdx.x, and the walks end after it.
-// Deterministic calls take one CTA per tile: a turn then only waits for tiles of CTAs launched before
-// (dq_turn), which every CTA of a striding grid is not guaranteed to be.
-// A striding CTA steps over slots: a key tile, or, under causal positions (args.paired), a pair of one
-// (batch, kv head)'s key tiles j and N-1-j, heavy then light, which together cost about the same whatever j
-// is (without pairs a stride that is a multiple of N would hand a CTA the same key tile of every head).
-// Every role walks its CTA's slots alike: the slot number kept as (slot, kv head, batch) and stepped by
-// gridDim.x in that form (args.stride_*) with carries, no division per tile, and the first one decoded by
-// multiplications (FastDivmod), so that the walk stays in uniform registers (with divisions it took vector
-// registers, and the D=64 causal kernel spilled).
-template <class Traits>
-struct BwdTileWalk {
-  int slot, head_kv, batch;
-  int side = 0;  // paired slots: 0 the heavy key tile j, 1 the light one N-1-j
-
-  CUTE_DEVICE explicit BwdTileWalk(const BwdKernelArgs<Traits>& args) {
-    int slice;
-    args.slots_divmod.fast_divmod(slice, slot, int(blockIdx.x));
-    args.heads_kv_divmod.fast_divmod(batch, head_kv, slice);
-  }
-  CUTE_DEVICE bool valid(const BwdKernelArgs<Traits>& args) const { return batch < get<3>(args.shape_kv); }
-  CUTE_DEVICE void next(const BwdKernelArgs<Traits>& args) {
-    if (args.paired && side == 0 && 2 * slot + 1 < args.num_n_blocks) {  // the pair's light tile, if it has one
-      side = 1;
-      return;
-    }
-    side = 0;
-    slot += args.stride_slots;
-    head_kv += args.stride_heads;
-    batch += args.stride_batches;
-    if (slot >= args.slots_per_head) {
-      slot -= args.slots_per_head;
-      ++head_kv;
-    }
-    if (head_kv >= get<2>(args.shape_kv)) {
-      head_kv -= get<2>(args.shape_kv);
-      ++batch;
-    }
-  }
-  CUTE_DEVICE BwdTile tile(const BwdKernelArgs<Traits>& args) const {
-    const int key_index = side ? args.num_n_blocks - 1 - slot : slot;
-    return {args.key_block_first + args.key_block_step * key_index, head_kv, batch};
-  }
-};
-
 // Index of the (batch, head, query tile) among all query tiles: its LSE/D rows, dQ partial and turn
 // counter. 32 bits suffice: the float32 dQ accumulator holds kBlockM * D floats per tile, so 2^31 tiles
 // could never be allocated.
@@ -242,7 +194,7 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
   auto write = cutlass::make_producer_start_state<typename T::PipelineQ>();  // Q's and dO's (StepState)
 
   int iteration = 0;
-  for (BwdTileWalk<T> walk(args); walk.valid(args); walk.next(args), ++iteration) {
+  for (BwdTileWalk walk(args); walk.valid(args); walk.next(args), ++iteration) {
     const BwdTile tile = walk.tile(args);
     const BwdSchedule<T> schedule = bwd_schedule<T>(args, tile.n_block, tile.head_kv, tile.batch);
     auto load_step = [&](int step) {
@@ -316,7 +268,7 @@ CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Trait
   constexpr int kSyncThreads = 128 + 32;
   const bool leader = threadIdx.x % 32 == 0;
   int steps_left = 0;
-  for (BwdTileWalk<T> walk(args); walk.valid(args); walk.next(args)) {
+  for (BwdTileWalk walk(args); walk.valid(args); walk.next(args)) {
     const BwdTile tile = walk.tile(args);
     steps_left += bwd_schedule<T>(args, tile.n_block, tile.head_kv, tile.batch).count;
   }
@@ -326,7 +278,7 @@ CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Trait
   for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
     cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);  // staging starts empty
   }
-  for (BwdTileWalk<T> walk(args); walk.valid(args); walk.next(args)) {
+  for (BwdTileWalk walk(args); walk.valid(args); walk.next(args)) {
     const BwdTile tile = walk.tile(args);
     const BwdSchedule<T> schedule = bwd_schedule<T>(args, tile.n_block, tile.head_kv, tile.batch);
 #pragma unroll 1  // one step's bookkeeping at a time

@@ -15,6 +15,7 @@
 #include "bwd_params.h"
 #include "mainloop_sm90.hpp"  // ElementOf, wg_gemm, convert_pairs
 #include "bwd_mask.hpp"       // BwdMaskArgs
+#include "tile_scheduler.hpp"  // BwdTile
 
 namespace fa2 {
 
@@ -77,11 +78,6 @@ enum BwdBarrier : int {
 // no longer pay for its static balance: one CTA per key tile measured 1-3 % faster at 16k (H100, bf16/fp16,
 // D = 64-256), the persistent grid up to 9 % faster at 512-8k.
 inline constexpr int kBwdStrideMaxSeqlenQ = 8192;
-
-// A key tile of the backward: the unit of work of a CTA (bwd_mainloop_sm90.hpp's BwdTileWalk).
-struct BwdTile {
-  int n_block, head_kv, batch;
-};
 
 template <int HeadDim_, DType Dt, bool Causal_, MaskKind Mask_ = MaskKind::kNone>
 struct BwdTraits {
@@ -267,7 +263,7 @@ struct BwdKernelArgs {
   int32_t* dq_sem;
   int seqlen_q, seqlen_k, heads_q, head_ratio;  // head_ratio = Hq / Hkv
   int num_m_blocks, num_n_blocks;
-  // BwdTileWalk: slots per (batch, kv head) (num_n_blocks, or pairs of key tiles), gridDim.x as (slots, kv
+  // BwdTileWalk (tile_scheduler.hpp): slots per (batch, kv head) (num_n_blocks, or pairs of key tiles), gridDim.x as (slots, kv
   // heads, batches), and the divisions of a CTA's first slot.
   bool paired;
   int slots_per_head;

@@ -1,4 +1,4 @@
-// Which query tiles a CTA of the forward runs, and in which order.
+// Which tiles a CTA runs, and in which order: the forward's query tiles, the backward's key tiles.
 //
 // A persistent launch has one CTA per SM that strides through the tile numbers: the next tile's Q and
 // K/V loads start while the current tile finishes, and the launch, barrier set-up and descriptor
@@ -22,6 +22,7 @@
 
 #include <cuda_runtime.h>
 #include <cute/config.hpp>
+#include <cute/int_tuple.hpp>
 
 namespace fa2 {
 
@@ -74,5 +75,59 @@ inline dim3 forward_grid(int num_m_blocks, int heads, int batch, bool persistent
   if (!persistent) return dim3(unsigned(num_m_blocks), unsigned(heads), unsigned(batch));
   return dim3(unsigned(num_sms > 0 ? std::min<int64_t>(tiles, num_sms) : tiles));
 }
+
+
+// A key tile of the backward: the unit of work of a CTA.
+struct BwdTile {
+  int n_block, head_kv, batch;
+};
+
+// The backward's key tiles: one per (key tile, kv head, batch), numbered with the key tiles of one (batch, kv head)
+// next to each other (causal: most query tiles first). A persistent launch has one CTA per SM striding
+// through them: the next tile's first Q and dO loads overlap the current tile's epilogue, and the launch and
+// set-up are paid once per SM. Otherwise each CTA runs the tile blockIdx.x, and the walks end after it.
+// Deterministic calls take one CTA per tile: a turn then only waits for tiles of CTAs launched before
+// (dq_turn), which every CTA of a striding grid is not guaranteed to be.
+// A striding CTA steps over slots: a key tile, or, under causal positions (args.paired), a pair of one
+// (batch, kv head)'s key tiles j and N-1-j, heavy then light, which together cost about the same whatever j
+// is (without pairs a stride that is a multiple of N would hand a CTA the same key tile of every head).
+// Every role walks its CTA's slots alike: the slot number kept as (slot, kv head, batch) and stepped by
+// gridDim.x in that form (args.stride_*) with carries, no division per tile, and the first one decoded by
+// multiplications (FastDivmod), so that the walk stays in uniform registers (with divisions it took vector
+// registers, and the D=64 causal kernel spilled).
+template <class Args>
+struct BwdTileWalk {
+  int slot, head_kv, batch;
+  int side = 0;  // paired slots: 0 the heavy key tile j, 1 the light one N-1-j
+
+  CUTE_DEVICE explicit BwdTileWalk(const Args& args) {
+    int slice;
+    args.slots_divmod.fast_divmod(slice, slot, int(blockIdx.x));
+    args.heads_kv_divmod.fast_divmod(batch, head_kv, slice);
+  }
+  CUTE_DEVICE bool valid(const Args& args) const { return batch < cute::get<3>(args.shape_kv); }
+  CUTE_DEVICE void next(const Args& args) {
+    if (args.paired && side == 0 && 2 * slot + 1 < args.num_n_blocks) {  // the pair's light tile, if it has one
+      side = 1;
+      return;
+    }
+    side = 0;
+    slot += args.stride_slots;
+    head_kv += args.stride_heads;
+    batch += args.stride_batches;
+    if (slot >= args.slots_per_head) {
+      slot -= args.slots_per_head;
+      ++head_kv;
+    }
+    if (head_kv >= cute::get<2>(args.shape_kv)) {
+      head_kv -= cute::get<2>(args.shape_kv);
+      ++batch;
+    }
+  }
+  CUTE_DEVICE BwdTile tile(const Args& args) const {
+    const int key_index = side ? args.num_n_blocks - 1 - slot : slot;
+    return {args.key_block_first + args.key_block_step * key_index, head_kv, batch};
+  }
+};
 
 }  // namespace fa2
