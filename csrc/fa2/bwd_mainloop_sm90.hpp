@@ -447,12 +447,14 @@ CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::Shar
   }
 }
 
-// The key loop of one MMA warpgroup thread over `tile`, once its K and V have landed; on return tdKrdK (unscaled) and tdVrdV hold its part of dK / scale and dV. `read` (the Q and
-// dO pipelines' state) carries on from tile to tile.
+// The key loop of one MMA warpgroup thread over `tile`, once its K and V have landed; on return tdKrdK
+// (unscaled) and tdVrdV hold its part of dK / scale and dV. `read` (the Q and dO pipelines' state) carries
+// on from tile to tile.
 template <class Traits, class FragDKV>
 CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                          typename Traits::PipelineQ& pipe_q, typename Traits::PipelineDO& pipe_do,
-                         typename Traits::StepState& read, FragDKV& tdKrdK, FragDKV& tdVrdV, const BwdTile& tile, int tid) {
+                         typename Traits::StepState& read, FragDKV& tdKrdK, FragDKV& tdVrdV, const BwdTile& tile,
+                         int tid) {
   using T = Traits;
   using Element = typename T::Element;
   using TileM = typename T::TileM;

@@ -68,8 +68,9 @@ FORWARDS: dict[str, Callable] = {
 }
 
 
-def _as_launched(call: Callable) -> Callable:
-    return call
+def _launched(name: str, call: Callable) -> Callable:
+    """`call` as `name` runs it: with one CTA per tile for PER_TILE, else as it is."""
+    return one_cta_per_tile(call) if name in PER_TILE else call
 
 
 def _inputs(cell: Cell, device: torch.device, seed: int):
@@ -104,12 +105,11 @@ def measure_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> 
     record = {"dtype": cell.dtype, "causal": cell.causal, "head_dim": cell.head_dim, "seqlen": cell.seqlen,
               "batch": cell.batch, "heads": cell.heads, "modes": {mode: {} for mode in MODES}}
     checked = {}  # name -> (forward, its output with the graph retained, max abs error)
-    launch = {name: one_cta_per_tile if name in PER_TILE else _as_launched for name in args.impls}
     for name in args.impls:
         try:
             forward = FORWARDS[name](q, k, v, cell.causal, scale)
-            out = launch[name](forward)()
-            gradients = launch[name](lambda: torch.autograd.grad(out, inputs, g, retain_graph=True))()
+            out = _launched(name, forward)()
+            gradients = _launched(name, lambda: torch.autograd.grad(out, inputs, g, retain_graph=True))()
             error, ok = gradients_close(gradients, reference, DTYPES[cell.dtype])
         except NotAvailable as exc:
             _set_every_mode(record, name, {"status": "n/a", "reason": str(exc)})
@@ -125,11 +125,11 @@ def measure_cell(cell: Cell, device: torch.device, args: argparse.Namespace) -> 
         "bwd": lambda forward, out: lambda: torch.autograd.grad(out, inputs, g, retain_graph=True),
     }
     for mode, factor in MODES.items():
-        calls = {name: launch[name](steps[mode](forward, out)) for name, (forward, out, _) in checked.items()}
+        calls = {name: _launched(name, steps[mode](forward, out)) for name, (forward, out, _) in checked.items()}
         for name, ms in medians_in_turns(calls, [()], device, warmup=args.warmup, reps=args.reps).items():
             record["modes"][mode][name] = {**timing_row(ms, factor * forward_flops), "max_abs_error": checked[name][2]}
     if args.profile:
-        backward_calls = {name: repeated(launch[name](steps["bwd"](forward, out)))
+        backward_calls = {name: repeated(_launched(name, steps["bwd"](forward, out)))
                           for name, (forward, out, _) in checked.items()}
         profile_calls(args.profile, backward_calls, f"{cell.dtype} {'causal' if cell.causal else 'non-causal'} "
                       f"d{cell.head_dim} seqlen {cell.seqlen} bwd", device)
