@@ -140,15 +140,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   // One CTA per SM striding through the key tiles (in pairs under causal positions), or one per tile
   // (deterministic: see BwdTileWalk; long query sequences: kBwdStrideMaxSeqlenQ).
   const bool persistent = p.num_sms > 0 && !p.deterministic && p.seqlen_q <= kBwdStrideMaxSeqlenQ;
-  args.paired = persistent && p.causal;
-  args.slots_per_head = args.paired ? (num_n_blocks + 1) / 2 : num_n_blocks;
-  const int64_t slots = int64_t(args.slots_per_head) * p.heads_kv * p.batch;
-  const int64_t ctas = persistent ? std::min<int64_t>(slots, p.num_sms) : num_tiles;
-  args.stride_slots = int(ctas % args.slots_per_head);
-  args.stride_heads = int(ctas / args.slots_per_head % p.heads_kv);
-  args.stride_batches = int(ctas / (int64_t(args.slots_per_head) * p.heads_kv));
-  args.slots_divmod = cutlass::FastDivmod(args.slots_per_head);
-  args.heads_kv_divmod = cutlass::FastDivmod(p.heads_kv);
+  const int64_t ctas = plan_bwd_walk(args, num_n_blocks, p.heads_kv, p.batch, persistent, p.causal, p.num_sms);
   err = launch_after_prior_grid(&bwd_kernel_sm90<T>, dim3(unsigned(ctas)), dim3(T::kThreads), T::kSmemBytes, stream,
                                 args);
   if (err != cudaSuccess) return err;

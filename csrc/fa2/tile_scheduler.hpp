@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 #include <cute/config.hpp>
 #include <cute/int_tuple.hpp>
+#include <cutlass/fast_math.h>
 
 namespace fa2 {
 
@@ -129,5 +130,22 @@ struct BwdTileWalk {
     return {args.key_block_first + args.key_block_step * key_index, head_kv, batch};
   }
 };
+
+// Host side of BwdTileWalk: sets the walk's fields of args for num_n_blocks key tiles per (batch, kv head)
+// (persistent: at most num_sms CTAs, in pairs under causal positions) and returns the grid's CTA count.
+template <class Args>
+inline int64_t plan_bwd_walk(Args& args, int num_n_blocks, int heads_kv, int batch, bool persistent, bool causal,
+                             int num_sms) {
+  args.paired = persistent && causal;
+  args.slots_per_head = args.paired ? (num_n_blocks + 1) / 2 : num_n_blocks;
+  const int64_t slots = int64_t(args.slots_per_head) * heads_kv * batch;
+  const int64_t ctas = persistent ? std::min<int64_t>(slots, num_sms) : slots;
+  args.stride_slots = int(ctas % args.slots_per_head);
+  args.stride_heads = int(ctas / args.slots_per_head % heads_kv);
+  args.stride_batches = int(ctas / (int64_t(args.slots_per_head) * heads_kv));
+  args.slots_divmod = cutlass::FastDivmod(args.slots_per_head);
+  args.heads_kv_divmod = cutlass::FastDivmod(heads_kv);
+  return ctas;
+}
 
 }  // namespace fa2
