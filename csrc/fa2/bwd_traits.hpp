@@ -208,7 +208,7 @@ struct BwdTraits {
     int kv_phase;                         // the barrier_kv phase the MMA warps wait for next
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
-  static_assert(kSmemBytes <= 227 * 1024, "tile config exceeds shared memory");
+  static_assert(kSmemBytes <= kSmemCapacityBytes, "tile config exceeds shared memory");
 };
 
 // Where the float32 workspaces of one call live (byte offsets into BwdParams::workspace), all

@@ -763,7 +763,7 @@ cudaError_t run_decode(const FwdParams& p, void* workspace, cudaStream_t stream)
   }
   auto kernel = &decode_split_kernel<HeadDim, Dt>;
   constexpr int smem_bytes = Smem<HeadDim, Dt>::kBytes;
-  static_assert(smem_bytes <= 227 * 1024, "decode tile too large for shared memory");
+  static_assert(smem_bytes <= kSmemCapacityBytes, "decode tile too large for shared memory");
   cudaError_t err = allow_dynamic_smem<&decode_split_kernel<HeadDim, Dt>>(smem_bytes);
   if (err != cudaSuccess) return err;
   dim3 grid(unsigned(plan.ctas), unsigned(plan.splits));

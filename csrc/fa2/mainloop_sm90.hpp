@@ -20,6 +20,7 @@
 #include "tile_config.h"
 #include "mask.hpp"
 #include "softmax.hpp"
+#include "smem_limit.hpp"
 #include "softcap.hpp"
 #include "tile_scheduler.hpp"
 
@@ -106,15 +107,6 @@ struct KernelTraits {
       SmemLayoutV{}, make_ordered_layout(Shape<TileD, TileN, Int<kStages>>{}, Step<_2, _1, _3>{})));
   using SmemLayoutO = SmemLayoutQ;
   static constexpr int kWarpgroupRowsElems = cosize_v<SmemLayoutWarpgroupRows>;
-  // A persistent kernel stages O in a buffer of its own where shared memory has room, so that the next
-  // tile's Q loads while O is stored; elsewhere a warpgroup stages O in its own Q block, and its next Q
-  // waits until that store has read the block.
-  static constexpr bool kOwnOBuffer =
-      kPersistent && (2 * cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutK> + cosize_v<SmemLayoutV>) * sizeof(Element) +
-                             1024 <= 227 * 1024;
-  // With O in the Q block, every tile that runs loads Q, keys or not: its epilogue writes the block, so the
-  // block must cycle through the same load and release as every other tile's.
-  static constexpr bool kQEveryTile = kPersistent && !kOwnOBuffer;
 
   // Global views: (seq, head_dim, head, batch) with runtime strides, head dim contiguous.
   using GShape = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -138,11 +130,12 @@ struct KernelTraits {
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
   struct NoBuffer {};
-  struct SharedStorage {
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;  // also O in the epilogue unless kOwnOBuffer
+  template <bool kWithO>
+  struct SharedStorageOf {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;  // also O in the epilogue unless kWithO
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
-    std::conditional_t<kOwnOBuffer, cute::array_aligned<Element, cosize_v<SmemLayoutO>, 1024>, NoBuffer> o;
+    std::conditional_t<kWithO, cute::array_aligned<Element, cosize_v<SmemLayoutO>, 1024>, NoBuffer> o;
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
     // Per consumer warpgroup: its Q block loaded; its Q block free again (its last S GEMM has read it, or,
@@ -157,8 +150,16 @@ struct KernelTraits {
       return *reinterpret_cast<cutlass::arch::ClusterBarrier*>(&barrier_q_free[w]);
     }
   };
+  // A persistent kernel stages O in a buffer of its own where shared memory has room, so that the next
+  // tile's Q loads while O is stored; elsewhere a warpgroup stages O in its own Q block, and its next Q
+  // waits until that store has read the block.
+  static constexpr bool kOwnOBuffer = kPersistent && sizeof(SharedStorageOf<true>) <= kSmemCapacityBytes;
+  // With O in the Q block, every tile that runs loads Q, keys or not: its epilogue writes the block, so the
+  // block must cycle through the same load and release as every other tile's.
+  static constexpr bool kQEveryTile = kPersistent && !kOwnOBuffer;
+  using SharedStorage = SharedStorageOf<kOwnOBuffer>;
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
-  static_assert(kSmemBytes <= 227 * 1024, "tile config exceeds shared memory");
+  static_assert(kSmemBytes <= kSmemCapacityBytes, "tile config exceeds shared memory");
 };
 
 // Everything the kernel needs, passed by value as a __grid_constant__ parameter.

@@ -8,6 +8,9 @@
 
 namespace fa2 {
 
+// Dynamic shared memory one CTA may take on sm_90 (228 KiB per SM less the 1 KiB the system reserves).
+inline constexpr int kSmemCapacityBytes = 227 * 1024;
+
 // Kernel's limit raised to `bytes` the first time it launches on a device, so that a later CUDA graph capture
 // only sees launches. The kernel is a template argument: one record per kernel, even where several kernels
 // share a signature.
