@@ -646,6 +646,21 @@ def test_masked_training_rows_run_on_the_cpu(tmp_path):
     assert "| causal | 8 | 4 | 56.2% | fa2_inductor is_causal |" in text
 
 
+def test_masked_training_adds_our_forms_one_cta_per_tile_when_asked(tmp_path):
+    path = tmp_path / "masked_backward.json"
+    argv = ["--backward", "--masks", "--device", "cpu", "--tokens", "16", "--hidden", "16", "--seqlens", "16",
+            "--impls", "fa2_inductor", "fa2_per_tile", "--warmup", "0", "--reps", "1", "--json", str(path)]
+    status, stdout = _run_main(argv)
+    assert status == 0
+    for r in json.loads(path.read_text())["masked_backward"]:
+        *ours, flex = r["measurements"]
+        forms = [m["form"] for m in ours if m["impl"] == "fa2_inductor"]
+        assert [(m["impl"], m["form"]) for m in ours] == [("fa2_inductor", f) for f in forms] + [
+            ("fa2_per_tile", f) for f in forms]
+        assert all(m["status"] == "ok" and m["max_abs_error"] < 0.05 for m in ours) and flex["impl"] == "flex"
+    assert "fa2_per_tile key mask [B,1,1,S]" in stdout
+
+
 def test_masked_training_marks_wrong_gradients_and_fails(monkeypatch, tmp_path):
     from fa2_inductor.bench import masked_backward
 

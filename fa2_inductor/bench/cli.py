@@ -140,7 +140,8 @@ def _parser() -> argparse.ArgumentParser:
         "With --masks: masked training instead, forward+backward of our masks (causal as a bool tensor and "
         "is_causal, a 1024-key sliding window as window_left and as a bool tensor, a padding key mask, padding + "
         f"causal) next to FlexAttention's block masks (bf16, D=128, --tokens/--hidden shapes, --seqlens default "
-        f"{MASKED_TRAINING_SEQLENS}); TFLOP/s over the visible pairs; writes --json; --device cpu tests its logic",
+        f"{MASKED_TRAINING_SEQLENS}); TFLOP/s over the visible pairs; --impls with fa2_per_tile adds our forms "
+        "launched one CTA per tile; writes --json; --device cpu tests its logic",
     )
     return parser
 

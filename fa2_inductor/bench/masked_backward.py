@@ -9,7 +9,9 @@ a mask's implementations timed in turns, so that clock drift reaches them alike)
 its gradients are first checked against SDPA's with the same mask as a dense bool tensor, and a mismatch
 is WRONG and not timed. FLOPs count the visible (query, key) pairs only: forward 4·B·H·pairs·D, backward
 2.5x that. Flex is ``flex_attention`` compiled once, with its block mask built before timing; where Flex
-does not run (its CPU path has no backward) its column is n/a with the reason.
+does not run (its CPU path has no backward) its column is n/a with the reason. With ``fa2_per_tile`` among
+--impls, each of our forms also runs launched one CTA per tile (what the persistent grids gain or lose on
+masks), in the same turns.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .. import _cuda
 from ..ops import flash_attention
 from .backward import MODES, gradients_close
+from .implementations import FA2, one_cta_per_tile
 from .measure import describe_exception, timing_row
 from .report import environment, environment_line, write_json
 from .timing import keep_busy, medians_in_turns
@@ -40,6 +43,7 @@ WINDOW = 1024
 # Each padded sequence keeps a seeded, uniform share of the S keys in this range.
 PADDED_LENGTHS = (0.5, 1.0)
 FLEX = "flex"
+PER_TILE = "fa2_per_tile"
 
 
 @dataclass(frozen=True)
@@ -147,15 +151,16 @@ class _Runner:
 
         return call
 
-    def checked(self, forward: Callable[[], Tensor], reference) -> tuple[Optional[Callable[[], None]], dict]:
+    def checked(self, forward: Callable[[], Tensor], reference,
+                per_tile: bool = False) -> tuple[Optional[Callable[[], None]], dict]:
         """(the step to time, its row so far) when its gradients agree with ``reference``, else (None, its
-        WRONG row); raises as the implementation fails."""
-        call = self.step(forward)
+        WRONG row); raises as the implementation fails. per_tile: our kernels launched one CTA per tile."""
+        call = one_cta_per_tile(self.step(forward)) if per_tile else self.step(forward)
         call()
         error, ok = gradients_close((self.q.grad, self.k.grad, self.v.grad), reference, DTYPE)
         return (call, {"max_abs_error": error}) if ok else (None, {"status": "WRONG", "max_abs_error": error})
 
-    def ours(self, form: Form, reference) -> tuple[Optional[Callable[[], None]], dict]:
+    def ours(self, form: Form, reference, impl: str) -> tuple[Optional[Callable[[], None]], dict]:
         q, k, v = self.q, self.k, self.v
         gap = _kernel_gap(q, k, v, form)
         if gap is not None:
@@ -163,7 +168,7 @@ class _Runner:
         try:
             return self.checked(lambda: flash_attention(q, k, v, attn_mask=form.attn_mask, scale=self.scale,
                                                         is_causal=form.is_causal, window_left=form.window_left),
-                                reference)
+                                reference, per_tile=impl == PER_TILE and q.is_cuda)
         except Exception as exc:  # recorded, so the run goes on and the JSON says what broke
             return None, {"status": "error", "reason": describe_exception(exc)}
 
@@ -189,7 +194,8 @@ class _Runner:
         visible = int(case.dense.expand(batch, 1, seqlen, seqlen).sum())
         flops = MODES["fwd+bwd"] * 4.0 * self.heads * visible * HEAD_DIM  # visible counts every sequence's pairs
         reference = self.reference_gradients(case.dense)
-        checked = {("fa2_inductor", form.name): self.ours(form, reference) for form in case.forms}
+        ours = [FA2, PER_TILE] if PER_TILE in self.args.impls else [FA2]
+        checked = {(impl, form.name): self.ours(form, reference, impl) for impl in ours for form in case.forms}
         checked[(FLEX, "block mask")] = self.flex_attention(case, reference)
         rows = {key: row for key, (_, row) in checked.items()}
         self.timed({key: call for key, (call, _) in checked.items() if call is not None}, rows, flops)
@@ -253,6 +259,6 @@ def masked_backward_rows(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(f"JSON: {args.json}")
-    failed = any(m["impl"] == "fa2_inductor" and m["status"] in ("WRONG", "error")
+    failed = any(m["impl"] != FLEX and m["status"] in ("WRONG", "error")
                  for r in records for m in r["measurements"])
     return 1 if failed else 0
