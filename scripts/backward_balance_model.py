@@ -4,11 +4,12 @@
     python scripts/backward_balance_model.py docs/measurements/masked_backward.json [--sms 132]
 
 A key tile's work is counted as the query tiles that see one of its keys (a tile the mask hides entirely
-costs nothing). Three launches are compared by their busiest SM over the mean (1.0 = perfectly even):
-the persistent grid's static stride (CTA c takes tiles c, c + SMs, ...), one CTA per tile in tile order
-(the hardware hands the next tile to the first SM that frees up) and the same heaviest tile first.
-Causal as a bool tensor is not paired by the persistent grid (pairs follow ``is_causal``), so its tiles
-are modelled one by one, as the kernel walks them.
+costs nothing). Four launches are compared by their busiest SM over the mean (1.0 = perfectly even): a
+static stride over single tiles (CTA c takes tiles c, c + SMs, ...: the persistent grid before it took
+slots dynamically), one CTA per tile in tile order (the hardware hands the next tile to the first SM that
+frees up), the same heaviest tile first, and the persistent grid as it is (BwdTileWalk, tile_scheduler.hpp):
+slots of paired key tiles j and N-1-j of one (batch, head), each next slot taken by the first CTA to be
+free.
 """
 
 from __future__ import annotations
@@ -46,6 +47,17 @@ def first_free(work: list[int], sms: int) -> float:
     return max(finish) / (sum(work) / sms)
 
 
+def paired_slots(work: list[int], key_tiles: int) -> list[int]:
+    """The work of each slot of the persistent grid: key tiles j and N-1-j of one (batch, head) together
+    (N odd: the middle one alone)."""
+    slots = []
+    for head_start in range(0, len(work), key_tiles):
+        head = work[head_start:head_start + key_tiles]
+        slots += [head[j] + (head[key_tiles - 1 - j] if key_tiles - 1 - j > j else 0)
+                  for j in range((key_tiles + 1) // 2)]
+    return slots
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json")
@@ -53,13 +65,16 @@ def main() -> None:
     args = parser.parse_args()
     document = json.load(open(args.json))
     heads = document["settings"]["hidden"] // HEAD_DIM
-    print(f"{'mask':<10}{'seqlen':>7}  {'static stride':>14}{'one per tile':>14}{'heaviest first':>16}")
+    print(f"{'mask':<10}{'seqlen':>7}  {'static stride':>14}{'one per tile':>14}{'heaviest first':>16}"
+          f"{'paired slots':>14}")
     for record in document["masked_backward"]:
         if record["mask"] not in ("padding", "causal"):
             continue
         work = tile_work(record, heads)
+        slots = paired_slots(work, record["seqlen"] // KEY_TILE)
         print(f"{record['mask']:<10}{record['seqlen']:>7}  {static_stride(work, args.sms):>14.3f}"
-              f"{first_free(work, args.sms):>14.3f}{first_free(sorted(work, reverse=True), args.sms):>16.3f}")
+              f"{first_free(work, args.sms):>14.3f}{first_free(sorted(work, reverse=True), args.sms):>16.3f}"
+              f"{first_free(slots, args.sms):>14.3f}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,13 @@ def test_balance_of_the_three_launches():
     assert model.first_free(sorted([1, 1, 1, 3], reverse=True), 2) == pytest.approx(1.0)
 
 
+def test_paired_slots_join_key_tiles_j_and_n_minus_1_minus_j_of_each_head():
+    assert model.paired_slots([5, 4, 3, 2, 1, 9, 8, 7], key_tiles=4) == [7, 7, 8, 17]
+    assert model.paired_slots([3, 2, 1], key_tiles=3) == [4, 2]  # an odd count: the middle tile alone
+    causal = model.tile_work({"mask": "causal", "seqlen": 1024, "batch": 1}, heads=3)
+    assert len(set(model.paired_slots(causal, key_tiles=8))) == 1  # causal pairs cost the same
+
+
 def test_the_repository_table_runs(capsys, monkeypatch):
     monkeypatch.setattr("sys.argv", ["x", str(ROOT / "docs" / "measurements" / "masked_backward.json")])
     model.main()
