@@ -4,12 +4,13 @@
     python scripts/backward_balance_model.py docs/measurements/masked_backward.json [--sms 132]
 
 A key tile's work is counted as the query tiles that see one of its keys (a tile the mask hides entirely
-costs nothing). Four launches are compared by their busiest SM over the mean (1.0 = perfectly even): a
-static stride over single tiles (CTA c takes tiles c, c + SMs, ...: the persistent grid before it took
-slots dynamically), one CTA per tile in tile order (the hardware hands the next tile to the first SM that
-frees up), the same heaviest tile first, and the persistent grid as it is (BwdTileWalk, tile_scheduler.hpp):
-slots of paired key tiles j and N-1-j of one (batch, head), each next slot taken by the first CTA to be
-free.
+costs nothing). Four launches are compared by their busiest SM over the mean (1.0 = perfectly even): the
+persistent grid's static stride (CTA c takes tiles c, c + SMs, ...), one CTA per tile in tile order (the
+hardware hands the next tile to the first SM that frees up), the same heaviest tile first, and the dynamic
+walk of design.md's open items: slots of paired key tiles j and N-1-j of one (batch, head), each next slot
+taken by the first CTA to be free.
+Causal as a bool tensor is not paired by the persistent grid (pairs follow ``is_causal``), so its tiles
+are modelled one by one by the static stride, as the kernel walks them.
 """
 
 from __future__ import annotations
