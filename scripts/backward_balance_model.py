@@ -49,7 +49,7 @@ def first_free(work: list[int], sms: int) -> float:
 
 
 def paired_slots(work: list[int], key_tiles: int) -> list[int]:
-    """The work of each slot of the persistent grid: key tiles j and N-1-j of one (batch, head) together
+    """The work of each slot of the dynamic walk: key tiles j and N-1-j of one (batch, head) together
     (N odd: the middle one alone)."""
     slots = []
     for head_start in range(0, len(work), key_tiles):
