@@ -13,8 +13,8 @@
 #               kernel is compiled and reported), ptxas.txt (registers, spills, wgmma serialisation), info.txt
 #   gpu-tests   python -m pytest tests/gpu, each test cut after TEST_TIMEOUT_S (a hang fails that test,
 #               the stacks go to gpu_tests_hangs.txt, the run resumes after it) -> gpu_tests.log
-#   sanitize    compute-sanitizer memcheck and racecheck on scripts/sanitize_cases.py (forward) and
-#               scripts/backward_sanitize.py -> *_memcheck.log, *_racecheck.log
+#   sanitize    compute-sanitizer memcheck, racecheck and synccheck (barrier misuse) on scripts/sanitize_cases.py
+#               (forward) and scripts/backward_sanitize.py -> *_memcheck.log, *_racecheck.log, *_synccheck.log
 #   bench       python -m fa2_inductor.bench --json bench.json --plot bench.png (BENCH_ARGS adds options)
 #   mask-bench  python -m fa2_inductor.bench --masks --json mask_bench.json
 #   train-bench python -m fa2_inductor.bench --backward --json backward.json (forward+backward, backward alone)
@@ -180,7 +180,7 @@ stage_sanitize() {
   if [[ ! -x $sanitizer ]]; then RESULT="compute-sanitizer not found (it comes with the CUDA toolkit, in its bin/)"; return 1; fi
   local tool cases rc=0 parts=()
   for cases in sanitize_cases backward_sanitize; do  # the forward's calls, then the backward's
-    for tool in memcheck racecheck; do
+    for tool in memcheck racecheck synccheck; do
       local log="$RESULTS/${cases}_$tool.log"
       limited "$sanitizer" --tool "$tool" --print-limit 50 --error-exitcode 3 "$PY" "scripts/$cases.py" > "$log" 2>&1 || rc=$?
       parts+=("$cases $tool: $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1 | sed 's/^=* *//')")
