@@ -28,55 +28,36 @@ __device__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Warp 0's lane 0 names a value and arrives on `full`; warp 1 waits, reads it, and every reader arrives on
-// `empty` before warp 0 names the next. Both tools: clean.
+// Warp 0's lane 0 names a value and arrives on `full`; the other warps wait, read it and free it on `empty`
+// before warp 0 names the next. Every reader arrives on `empty` (kOneFrees false): both tools are clean. The
+// readers meet on a named barrier and one of them arrives for all (true): racecheck reports the reads against
+// the next name (it does not follow the order through the other thread).
+template <bool kOneFrees>
 __global__ void mbarrier_hand_off(int* out) {
   __shared__ uint64_t full, empty;
   __shared__ int name;
+  const int readers = blockDim.x - 32;
   if (threadIdx.x == 0) {
     mbar_init(&full, 1);
-    mbar_init(&empty, 32);
+    mbar_init(&empty, kOneFrees ? 1 : readers);
   }
   __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int round = 0; round < 4; ++round) {
-    if (warp == 0) {
+    if (threadIdx.x < 32) {
       if (round > 0) mbar_wait(&empty, (round - 1) & 1);
-      if (lane == 0) {
+      if (threadIdx.x == 0) {
         name = round + 7;
         mbar_arrive(&full);
       }
     } else {
       mbar_wait(&full, round & 1);
-      out[round * 32 + lane] = name;
-      mbar_arrive(&empty);
-    }
-  }
-}
-
-// As above, but the readers meet on a named barrier and one of them arrives on `empty` for all: racecheck
-// reports the reads against the next name (it does not follow the order through the other thread).
-__global__ void transitive_hand_off(int* out) {
-  __shared__ uint64_t full, empty;
-  __shared__ int name;
-  if (threadIdx.x == 0) {
-    mbar_init(&full, 1);
-    mbar_init(&empty, 1);
-  }
-  __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int round = 0; round < 4; ++round) {
-    if (warp == 0) {
-      if (round > 0) mbar_wait(&empty, (round - 1) & 1);
-      if (lane == 0) {
-        name = round + 7;
-        mbar_arrive(&full);
+      out[round * readers + threadIdx.x - 32] = name;
+      if (kOneFrees) {
+        named_sync(1, readers);
+        if (threadIdx.x == 32) mbar_arrive(&empty);
+      } else {
+        mbar_arrive(&empty);
       }
-    } else {
-      mbar_wait(&full, round & 1);
-      out[round * 64 + threadIdx.x - 32] = name;
-      named_sync(1, 64);
-      if (threadIdx.x == 32) mbar_arrive(&empty);
     }
   }
 }
@@ -120,8 +101,8 @@ __global__ void sync_in_two_roles(int* out) {
 int main() {
   int* out = nullptr;
   cudaMalloc(&out, 4096);
-  mbarrier_hand_off<<<1, 64>>>(out);
-  transitive_hand_off<<<1, 96>>>(out);
+  mbarrier_hand_off<false><<<1, 64>>>(out);
+  mbarrier_hand_off<true><<<1, 96>>>(out);
   arrive_then_sync<<<1, 64>>>(out);
   sync_in_two_roles<<<1, 64>>>(out);
   printf("%s\n", cudaGetErrorString(cudaDeviceSynchronize()));
