@@ -2,14 +2,16 @@
 
 A hand-kept model of one CTA of csrc/fa2/bwd_kernel_sm90.hpp walking several key tiles (the persistent
 grid): the producer warp (`bwd_load`, bwd_mainloop_sm90.hpp), the dQ writer warp (`bwd_dq_writer`, where
-dQ is staged) and the MMA warpgroups (`bwd_mma`, `add_dq`, `bwd_epilogue`), the first warpgroup split into
-its thread 0 (which flips the K/V phase, stores dK/dV and frees the K/V buffers) and the rest. Each is a
-sequence of barrier operations: the K/V barrier and its "free" barrier, the Q and dO pipelines, the named
-barriers (dS ready, epilogue, dQ empty/full per warpgroup), the K/V phase kept in shared memory, and the
-buffers they guard (K/V, the Q and dO stages, the dS and P stages, the dQ staging halves). Every
-interleaving is explored (`protocol_model.py`); the check fails on a deadlock, a race (a write into a buffer that someone still
-reads), a stale K/V phase read, or a named barrier left with arrivals at the end. Change the model
-together with those functions.
+dQ is staged) and the MMA warpgroups (`bwd_mma`, `add_dq`, `bwd_epilogue`, `finish_dq_writer`), the first
+warpgroup split into its thread 0 (which names each step's dQ target, flips the K/V phase, stores dK/dV and
+frees the K/V buffers) and the rest. Each is a sequence of barrier operations: the K/V barrier and its "free"
+barrier, the Q and dO pipelines, the named barriers (dS ready, epilogue, dQ empty/full per warpgroup), the
+K/V phase kept in shared memory, and the buffers they guard (K/V, the tile and its steps the producer names
+for the others, the Q and dO stages, the dS and P stages, the dQ staging halves and the dQ target slots).
+The producer names one more tile after the last, the end, and the MMA warps name the writer a last target,
+none. Every interleaving is explored (`protocol_model.py`); the check fails on a deadlock, a race (a write
+into a buffer that someone still reads), a stale K/V phase read, or a named barrier left with arrivals at
+the end. Change the model together with those functions.
 
     python scripts/backward_protocol_check.py           # every configuration the kernels build
     python scripts/backward_protocol_check.py --quick   # two-tile sequences only
@@ -44,9 +46,10 @@ def warpgroup(proc: int) -> int:
     return 0 if proc in (LEADER, REST) else 1
 
 
-def producer_ops(tiles: list[int], early_first_step: bool = True, wait_kv_free: bool = True) -> list[tuple]:
-    """bwd_load for tiles of the given step counts. The keywords change the protocol, to show that the check
-    finds what such changes break."""
+def producer_ops(tiles: list[int], early_first_step: bool = True, wait_kv_free: bool = True,
+                 publish_after_kv_free: bool = True) -> list[tuple]:
+    """bwd_load for tiles of the given step counts, then the end named. The keywords change the protocol, to
+    show that the check finds what such changes break."""
     ops: list[tuple] = []
     stage, phase = 0, 1  # a fresh pipeline's producer state: the first acquires pass
 
@@ -63,42 +66,55 @@ def producer_ops(tiles: list[int], early_first_step: bool = True, wait_kv_free: 
         early = early_first_step and steps > 0 and i > 0
         if early:
             load_step()
+        if not publish_after_kv_free:
+            ops.append(("write", "TILE"))
         if i > 0 and wait_kv_free:
             ops.append(("wait", "kv_free", (i - 1) % 2))
+        if publish_after_kv_free:
+            ops.append(("write", "TILE"))  # the tile and its steps, for the other roles
         if steps > 0:
             ops.append(("write", "KV"))
         ops.append(("arrive", "kv"))  # with the K/V bytes, or plain for a tile without steps
         for _ in range(1 if early else 0, steps):
             load_step()
+    if tiles:
+        ops.append(("wait", "kv_free", (len(tiles) - 1) % 2))
+    ops.extend([("write", "TILE"), ("arrive", "kv")])  # BwdTile::end()
     return ops
 
 
-def writer_ops(tiles: list[int], skip_last_hand_back: bool = True) -> list[tuple]:
-    """bwd_dq_writer: one bulk reduction per warpgroup half per step."""
-    total = sum(tiles)
-    if total == 0:
-        return []
+def writer_ops(tiles: list[int]) -> list[tuple]:
+    """bwd_dq_writer: per staged partial, its target (a slot per Q stage, in step order), then one bulk
+    reduction per warpgroup half; a last target names none."""
     ops: list[tuple] = [("nb_arrive", "dq_empty0"), ("nb_arrive", "dq_empty1")]
-    for left in range(total - 1, -1, -1):
+    for partial in range(sum(tiles)):
+        ops.extend([("nb_sync", "dq_full0"), ("use_begin", f"DQT{partial % STAGES}"),
+                    ("use_end", f"DQT{partial % STAGES}")])
         for wg in (0, 1):
-            ops.extend([("nb_sync", f"dq_full{wg}"), ("use_begin", f"DQ{wg}"), ("use_end", f"DQ{wg}")])
-            if left > 0 or not skip_last_hand_back:
-                ops.append(("nb_arrive", f"dq_empty{wg}"))
+            if wg > 0:
+                ops.append(("nb_sync", f"dq_full{wg}"))
+            ops.extend([("use_begin", f"DQ{wg}"), ("use_end", f"DQ{wg}"), ("nb_arrive", f"dq_empty{wg}")])
+    last = sum(tiles) % STAGES
+    ops.extend([("nb_sync", "dq_full0"), ("use_begin", f"DQT{last}"), ("use_end", f"DQT{last}")])
     return ops
 
 
-def mma_ops(tiles: list[int], proc: int, cfg: Config, flip_after_stores: bool = False) -> list[tuple]:
-    """One MMA process over the tiles (the kernel's tile loop, bwd_mma, add_dq, bwd_epilogue). The keyword
-    changes the protocol, to show that the check finds what that change breaks."""
+def mma_ops(tiles: list[int], proc: int, cfg: Config, flip_after_stores: bool = False, target_slots: int = STAGES,
+            take_last_hand_back: bool = True) -> list[tuple]:
+    """One MMA process over the tiles (the kernel's tile loop, bwd_mma, add_dq, bwd_epilogue) and the end
+    (finish_dq_writer). The keywords change the protocol, to show that the check finds what such changes
+    break."""
     ops: list[tuple] = []
     read, phase = 0, 0
     wg = warpgroup(proc)
     for i, steps in enumerate(tiles):
-        ops.extend([("read_phase", i % 2), ("wait", "kv", i % 2)])
+        ops.extend([("read_phase", i % 2), ("wait", "kv", i % 2), ("use_begin", "TILE")])
         if steps > 0:
             ops.append(("use_begin", "KV"))
         for step in range(steps):
             ds = step % STAGES
+            if cfg.staged_dq and proc == LEADER:  # the step's dQ target, before its GEMMs
+                ops.append(("write", f"DQT{read % target_slots}"))
             ops.extend([("wait", f"q_full{read}", phase), ("use_begin", f"Q{read}"),
                         ("wait", f"do_full{read}", phase), ("use_begin", f"DO{read}")])
             if cfg.split_keys:  # dV from registers, dS to shared memory, then dQ and dK
@@ -118,15 +134,28 @@ def mma_ops(tiles: list[int], proc: int, cfg: Config, flip_after_stores: bool = 
                 read, phase = 0, phase ^ 1
         if steps > 0:
             ops.append(("use_end", "KV"))
-        # The epilogue: dK/dV staged in the K/V buffers between two barriers, stored by thread 0.
+        # The epilogue: dK/dV staged in the K/V buffers between two barriers, stored by thread 0 (which reads
+        # the tile's name for the store; the others are done with it).
+        if proc != LEADER:
+            ops.append(("use_end", "TILE"))
         ops.append(("nb_sync", "epilogue"))
         if proc == LEADER and not flip_after_stores:
             ops.append(("flip_phase",))
         ops.extend([("write", "KV"), ("nb_sync", "epilogue")])
         if proc == LEADER:
-            ops.extend([("use_begin", "KV"), ("use_end", "KV"), ("arrive", "kv_free")])  # the TMA store's read
+            ops.extend([("use_begin", "KV"), ("use_end", "KV"), ("use_end", "TILE"),
+                        ("arrive", "kv_free")])  # the TMA store's read
             if flip_after_stores:
                 ops.append(("flip_phase",))
+    n = len(tiles)
+    ops.extend([("read_phase", n % 2), ("wait", "kv", n % 2), ("use_begin", "TILE"), ("use_end", "TILE")])
+    if cfg.staged_dq:  # finish_dq_writer
+        if take_last_hand_back:
+            ops.append(("nb_sync", f"dq_empty{wg}"))
+        if wg == 0:
+            if proc == LEADER:
+                ops.append(("write", f"DQT{read % target_slots}"))
+            ops.append(("nb_arrive", "dq_full0"))
     return ops
 
 

@@ -1,6 +1,6 @@
 """scripts/backward_protocol_check.py: the backward kernel's barrier protocol over a persistent CTA's key tiles
 has no deadlock, no race, no stale K/V phase and no named barrier left with arrivals, in any interleaving of
-its producer, dQ writer and MMA warps; and the check is not vacuous (it finds what three plausible changes
+its producer, dQ writer and MMA warps; and the check is not vacuous (it finds what five plausible changes
 would break)."""
 
 from __future__ import annotations
@@ -30,15 +30,38 @@ def test_kernels_never_deadlock_or_race(cfg, tiles):
 
 
 @pytest.mark.parametrize("cfg", protocol.KERNEL_CONFIGS, ids=str)
-def test_check_finds_the_race_of_k_and_v_loaded_before_the_stores_read_them(cfg):
+def test_check_finds_the_race_of_a_next_tile_begun_before_the_stores_read_k_and_v(cfg):
+    """Without the wait the producer names the next tile (and then loads its K and V) while the epilogue still
+    reads the buffers: the first race is the name's."""
     errors, _ = protocol.explore([1, 2], cfg, producer=lambda tiles: protocol.producer_ops(tiles, wait_kv_free=False))
-    assert errors and errors[0].startswith("race: a write into KV"), errors
+    assert errors and errors[0].startswith("race: a write into TILE"), errors
+
+
+@pytest.mark.parametrize("cfg", protocol.KERNEL_CONFIGS, ids=str)
+def test_check_finds_the_race_of_a_tile_named_before_the_last_one_is_done(cfg):
+    """The producer may name the next tile only once the MMA warps have freed K and V of the one before."""
+    errors, _ = protocol.explore([1, 1], cfg,
+                                 producer=lambda tiles: protocol.producer_ops(tiles, publish_after_kv_free=False))
+    assert errors and errors[0].startswith("race: a write into TILE"), errors
 
 
 @pytest.mark.parametrize("cfg", STAGED, ids=str)
-def test_check_finds_the_named_barrier_a_last_hand_back_leaves(cfg):
-    errors, _ = protocol.explore([2, 1], cfg, writer=lambda tiles: protocol.writer_ops(tiles, skip_last_hand_back=False))
-    assert errors == ["named barriers left with arrivals at the end: ['dq_empty0', 'dq_empty1']"]
+def test_check_finds_the_race_of_one_dq_target_slot(cfg):
+    """A step names its dQ target before its GEMMs, while the writer may still read the step before's."""
+    def one_slot(tiles, proc, c):
+        return protocol.mma_ops(tiles, proc, c, target_slots=1)
+
+    errors, _ = protocol.explore([2], cfg, mma=one_slot)
+    assert errors and errors[0].startswith("race: a write into DQT0"), errors
+
+
+@pytest.mark.parametrize("cfg", STAGED, ids=str)
+def test_check_finds_the_named_barrier_an_untaken_last_hand_back_leaves(cfg):
+    def untaken(tiles, proc, c):
+        return protocol.mma_ops(tiles, proc, c, take_last_hand_back=False)
+
+    errors, _ = protocol.explore([2, 1], cfg, mma=untaken)
+    assert "named barriers left with arrivals at the end: ['dq_empty0', 'dq_empty1']" in errors, errors
 
 
 @pytest.mark.parametrize("cfg", protocol.KERNEL_CONFIGS, ids=str)

@@ -1,7 +1,7 @@
 // The Hopper backward kernel: a CTA runs key tiles (key tile, kv head, batch), one per CTA or, persistent,
-// strided over one CTA per SM (BwdTileWalk). Warpgroup 0: warp 0 loads (one thread issues TMA), warp 1 adds
-// the staged dQ partials; warpgroups 1-2 run the GEMMs. dK and dV of a tile's keys (summed over the
-// group's query heads) are written once, at the tile's end.
+// taken by one CTA per SM (BwdTileWalk). Warpgroup 0: warp 0 walks the tiles and loads (one thread issues
+// TMA), warp 1 adds the staged dQ partials; warpgroups 1-2 run the GEMMs on the tiles warp 0 names. dK and
+// dV of a tile's keys (summed over the group's query heads) are written once, at the tile's end.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -22,7 +22,7 @@ using namespace cute;
 // reading it.
 template <class Traits, class FragDKV>
 CUTE_DEVICE void bwd_epilogue(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
-                              FragDKV& tdKrdK, const FragDKV& tdVrdV, const BwdTile& tile) {
+                              FragDKV& tdKrdK, const FragDKV& tdVrdV, const volatile BwdTile& tile) {
   using T = Traits;
   using Element = typename T::Element;
   typename T::TiledMmaDKV mma_dkv;
@@ -36,11 +36,7 @@ CUTE_DEVICE void bwd_epilogue(const BwdKernelArgs<Traits>& args, typename Traits
   Tensor sdK = make_tensor(make_smem_ptr(smem.k.data()), typename T::SmemLayoutK{});
   Tensor sdV = make_tensor(make_smem_ptr(smem.v.data()), typename T::SmemLayoutV{});
   auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
-  // The thread index read afresh: this address math stays here instead of holding registers across a
-  // persistent CTA's tile loop.
-  int thread;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(thread));
-  const int tid = thread - 128;
+  const int tid = mma_thread_index_afresh();
   auto thr_copy = smem_copy.get_thread_slice(tid);
   cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierEpilogue);  // K and V no longer read
   if (tid == 0) *static_cast<volatile int*>(&smem.kv_phase) ^= 1;
@@ -50,12 +46,13 @@ CUTE_DEVICE void bwd_epilogue(const BwdKernelArgs<Traits>& args, typename Traits
   cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierEpilogue);
 
   if (tid == 0) {
+    const int n_block = tile.n_block, head_kv = tile.head_kv, batch = tile.batch;
     Tensor mdK = args.tma_dk.get_tma_tensor(args.shape_kv);
     Tensor mdV = args.tma_dv.get_tma_tensor(args.shape_kv);
-    Tensor gdK = local_tile(mdK(_, _, tile.head_kv, tile.batch), Shape<typename T::TileN, typename T::TileD>{},
-                            make_coord(tile.n_block, _0{}));
-    Tensor gdV = local_tile(mdV(_, _, tile.head_kv, tile.batch), Shape<typename T::TileN, typename T::TileD>{},
-                            make_coord(tile.n_block, _0{}));
+    Tensor gdK = local_tile(mdK(_, _, head_kv, batch), Shape<typename T::TileN, typename T::TileD>{},
+                            make_coord(n_block, _0{}));
+    Tensor gdV = local_tile(mdV(_, _, head_kv, batch), Shape<typename T::TileN, typename T::TileD>{},
+                            make_coord(n_block, _0{}));
     auto thr_tma_dk = args.tma_dk.get_slice(_0{});
     auto thr_tma_dv = args.tma_dv.get_slice(_0{});
     copy(args.tma_dk, thr_tma_dk.partition_S(sdK), thr_tma_dk.partition_D(gdK));
@@ -124,13 +121,16 @@ bwd_kernel_sm90(CUTE_GRID_CONSTANT const BwdKernelArgs<Traits> args) {
     Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<typename T::TileN, typename T::TileD>{});
     Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<typename T::TileN, typename T::TileD>{});
     typename T::StepState read;  // stage 0, phase 0: Q's and dO's
-    // A phase of barrier_kv per tile (bwd_load), its parity kept in shared memory and read afresh: the MMA
-    // warps have no register to spare across the tile loop.
-    for (BwdTileWalk walk(args); walk.valid(args); walk.next(args)) {
+    // A phase of barrier_kv per tile (bwd_load) names the tile and its steps in smem.tile and smem.steps,
+    // which stay until this tile's epilogue has freed K and V; the phase's parity is kept in shared memory.
+    // All are read afresh where used: the MMA warps have no register to spare across the tile loop.
+    const volatile BwdTile& tile = smem.tile;
+    for (;;) {
       cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv, *static_cast<volatile int*>(&smem.kv_phase));
-      const BwdTile tile = walk.tile(args);
-      if (bwd_schedule<T>(args, tile.n_block, tile.head_kv, tile.batch).count > 0) {
-        bwd_mma<T>(args, smem, pipe_q, pipe_do, read, tdKrdK, tdVrdV, tile, int(threadIdx.x) - 128);
+      asm volatile("" ::: "memory");  // the tile is read after the wait (CUTLASS's asm has no clobber)
+      if (tile.batch < 0) break;  // BwdTile::end()
+      if (smem.steps.count > 0) {
+        bwd_mma<T>(args, smem, pipe_q, pipe_do, read, tdKrdK, tdVrdV, tile, smem.steps, int(threadIdx.x) - 128);
       } else {
         // No query sees these keys (causal, or a mask): dK = dV = 0. Nothing was loaded.
         clear(tdKrdK);
@@ -138,6 +138,7 @@ bwd_kernel_sm90(CUTE_GRID_CONSTANT const BwdKernelArgs<Traits> args) {
       }
       bwd_epilogue<T>(args, smem, tdKrdK, tdVrdV, tile);
     }
+    if constexpr (T::kStagedDq) finish_dq_writer<T>(smem, read, int(threadIdx.x) - 128);
   }
 #elif defined(__CUDA_ARCH__)
   // Built for another target (e.g. plain sm_90 added by TORCH_CUDA_ARCH_LIST): fail loudly.

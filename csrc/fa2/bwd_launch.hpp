@@ -58,6 +58,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   float* dsum_rows = reinterpret_cast<float*>(ws + plan.workspace.dsum_offset);
   float* dq_accum = reinterpret_cast<float*>(ws + plan.workspace.dq_offset);
   int32_t* dq_sem = reinterpret_cast<int32_t*>(ws + plan.workspace.sem_offset);
+  int32_t* tile_counter = reinterpret_cast<int32_t*>(ws + plan.workspace.counter_offset);
   const int num_m_blocks = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
   const int num_n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
   const int64_t num_tiles = int64_t(num_n_blocks) * p.heads_kv * p.batch;
@@ -66,12 +67,12 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
     return cudaErrorInvalidConfiguration;  // grid limits; step entries name 16-bit query tiles, 14-bit heads
   }
 
-  // 1. D = rowsum(dO * O), LSE rows, zeroed dQ accumulator and turn counters.
+  // 1. D = rowsum(dO * O), LSE rows, zeroed dQ accumulator, turn counters and tile counter.
   BwdPreprocessArgs pre{p.o, p.dout, p.lse,
                         p.o_batch_stride, p.o_head_stride, p.o_row_stride,
                         p.do_batch_stride, p.do_head_stride, p.do_row_stride,
                         p.lse_batch_stride, p.lse_head_stride,
-                        lse_rows, dsum_rows, dq_accum, dq_sem,
+                        lse_rows, dsum_rows, dq_accum, dq_sem, tile_counter,
                         p.seqlen_q, p.heads_q, num_m_blocks, p.head_dim};
   const dim3 query_grid(num_m_blocks, p.heads_q, p.batch);
   bwd_preprocess<T><<<query_grid, kPrepostThreads, 0, stream>>>(pre);
@@ -116,7 +117,7 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
       p.heads_q / p.heads_kv,
       num_m_blocks,
       num_n_blocks,
-      false, 0, 0, 0, 0, {}, {},  // the walk: set with the grid below
+      false, false, 0, 0, {}, {}, tile_counter,  // the walk: set with the grid below
       // Causal deterministic: descending key tiles, the turn order of dq_turn (shortest CTAs first).
       T::kCausal && p.deterministic ? num_n_blocks - 1 : 0,
       T::kCausal && p.deterministic ? -1 : 1,
@@ -137,10 +138,11 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   }
   err = allow_dynamic_smem<&bwd_kernel_sm90<T>>(T::kSmemBytes);
   if (err != cudaSuccess) return err;
-  // One CTA per SM striding through the key tiles (in pairs under causal positions), or one per tile
-  // (deterministic: see BwdTileWalk; long query sequences: kBwdStrideMaxSeqlenQ).
+  // One CTA per SM taking slots of paired key tiles, or one per tile (deterministic: see BwdTileWalk; long
+  // query sequences: kBwdStrideMaxSeqlenQ).
   const bool persistent = p.num_sms > 0 && !p.deterministic && p.seqlen_q <= kBwdStrideMaxSeqlenQ;
-  const int64_t ctas = plan_bwd_walk(args, num_n_blocks, p.heads_kv, p.batch, persistent, p.causal, p.num_sms);
+  const bool uneven = p.causal || T::kMask != MaskKind::kNone;  // key tiles of unequal cost: paired
+  const int64_t ctas = plan_bwd_walk(args, num_n_blocks, p.heads_kv, p.batch, persistent, uneven, p.num_sms);
   err = launch_after_prior_grid(&bwd_kernel_sm90<T>, dim3(unsigned(ctas)), dim3(T::kThreads), T::kSmemBytes, stream,
                                 args);
   if (err != cudaSuccess) return err;

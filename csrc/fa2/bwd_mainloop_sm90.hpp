@@ -34,10 +34,11 @@ using namespace cute;
 // the same for every head; `partial` is unused (tails and causal edges follow from the indices).
 // Masked: the pre-pass's list, blocks hidden by the mask or the causal positions left out.
 template <class Traits>
-struct BwdSchedule {
-  int first = 0;                // masked kernels: index of the first step's entry in args.mask.lists
-  int begin = 0, per_head = 0;  // unmasked kernels
-  int count = 0;
+struct BwdSchedule : BwdSteps {
+  BwdSchedule() = default;
+  // The copy the producer published in shared memory (SharedStorage::steps), read afresh.
+  CUTE_DEVICE explicit BwdSchedule(const volatile BwdSteps& published)
+      : BwdSteps{published.first, published.begin, published.per_head, published.count} {}
 
   // (A 32-bit index rather than a pointer: one register less in the MMA warps' loop.)
   CUTE_DEVICE int entry(const BwdKernelArgs<Traits>& args, int step) const {
@@ -172,12 +173,13 @@ CUTE_DEVICE void warpgroup_barrier_arrive(int wg, int threads) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Producer: warp 0 walks the CTA's tiles and their schedules (warp-uniform, so its bookkeeping stays in
-// uniform registers) and lane 0 issues every load. Per tile K and V once, completing a phase of
-// barrier_kv (a tile without steps completes it with a plain arrival, so that phases count tiles); per step
-// the Q tile with its LSE rows on the Q pipeline and the dO tile with its D rows on the dO pipeline. K and
-// V wait for the previous tile's epilogue, which stages dK and dV in their buffers; the tile's first Q and
-// dO go out before that wait.
+// Producer: warp 0 walks the CTA's tiles (BwdTileWalk) and their schedules (warp-uniform, so its bookkeeping
+// stays in uniform registers where it can) and lane 0 issues every load. Per tile it names the tile in
+// shared memory for the other roles and loads K and V once, completing a phase of barrier_kv (a tile without
+// steps completes it with a plain arrival, so that phases count tiles); per step the Q tile with its LSE rows
+// on the Q pipeline and the dO tile with its D rows on the dO pipeline. The tile's name and its K and V wait
+// for the previous tile's epilogue, which stages dK and dV in their buffers; the tile's first Q and dO go out
+// before that wait. After the last tile one more phase names BwdTile::end().
 template <class Traits>
 CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                           typename Traits::PipelineQ& pipe_q, typename Traits::PipelineDO& pipe_do) {
@@ -193,50 +195,71 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
   const bool leader = threadIdx.x % 32 == 0;  // the pipelines' leader (is_leader) too
   auto write = cutlass::make_producer_start_state<typename T::PipelineQ>();  // Q's and dO's (StepState)
 
+  // The tile the other roles run next and its steps: written once they are done with the one before
+  // (barrier_kv_free), published by barrier_kv's arrival (a release; their wait acquires it).
+  auto publish = [&](const BwdTile& tile, const BwdSteps& steps) {
+    __syncwarp();  // the warp has read the last copy back
+    if (leader) {
+      volatile BwdTile* named = &smem.tile;
+      named->n_block = tile.n_block;
+      named->head_kv = tile.head_kv;
+      named->batch = tile.batch;
+      volatile BwdSteps* published = &smem.steps;
+      published->first = steps.first;
+      published->begin = steps.begin;
+      published->per_head = steps.per_head;
+      published->count = steps.count;
+      asm volatile("" ::: "memory");  // the stores stay before the arrival (CUTLASS's asm has no clobber)
+    }
+    __syncwarp();  // the warp reads the published copy back (load_step)
+  };
+  // One step's Q and dO. The tile is the walk's own before it is published and the published copy after,
+  // read afresh: the producer warp's 24 registers cannot hold a tile and its steps across the step loop.
+  auto load_step = [&](const auto& tile, const BwdSchedule<T>& schedule, int step) {
+    const int entry = schedule.entry(args, step);
+    const int head = tile.head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);  // K/V never copied
+    const int m_block = BwdSchedule<T>::block(entry);
+    const int stats_row = query_tile_index<T>(args, tile.batch, head, m_block) * T::kBlockM;
+
+    pipe_q.producer_acquire(write);
+    if (leader) {
+      Tensor gQ = local_tile(mQ(_, _, head, tile.batch), Shape<typename T::TileM, typename T::TileD>{},
+                             make_coord(m_block, _0{}));
+      auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      uint64_t* bar_q = pipe_q.producer_get_barrier(write);
+      copy(args.tma_q.with(*bar_q, 0), tQgQ, tQsQ(_, write.index()));
+      SM90_BULK_COPY_G2S::copy(args.lse + stats_row, bar_q, smem.lse.data() + write.index() * T::kBlockM,
+                               T::kBytesRowStats);
+    }
+
+    pipe_do.producer_acquire(write);
+    if (leader) {
+      Tensor gDO = local_tile(mDO(_, _, head, tile.batch), Shape<typename T::TileM, typename T::TileD>{},
+                              make_coord(m_block, _0{}));
+      auto [tDOgDO, tDOsDO] =
+          tma_partition(args.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sDO), group_modes<0, 2>(gDO));
+      uint64_t* bar_do = pipe_do.producer_get_barrier(write);
+      copy(args.tma_do.with(*bar_do, 0), tDOgDO, tDOsDO(_, write.index()));
+      SM90_BULK_COPY_G2S::copy(args.dsum + stats_row, bar_do, smem.dsum.data() + write.index() * T::kBlockM,
+                               T::kBytesRowStats);
+    }
+    ++write;
+  };
   int iteration = 0;
   for (BwdTileWalk walk(args); walk.valid(args); walk.next(args), ++iteration) {
     const BwdTile tile = walk.tile(args);
     const BwdSchedule<T> schedule = bwd_schedule<T>(args, tile.n_block, tile.head_kv, tile.batch);
-    auto load_step = [&](int step) {
-      const int entry = schedule.entry(args, step);
-      const int head = tile.head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);  // K/V never copied
-      const int m_block = BwdSchedule<T>::block(entry);
-      const int stats_row = query_tile_index<T>(args, tile.batch, head, m_block) * T::kBlockM;
-
-      pipe_q.producer_acquire(write);
-      if (leader) {
-        Tensor gQ = local_tile(mQ(_, _, head, tile.batch), Shape<typename T::TileM, typename T::TileD>{},
-                               make_coord(m_block, _0{}));
-        auto [tQgQ, tQsQ] = tma_partition(args.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-        uint64_t* bar_q = pipe_q.producer_get_barrier(write);
-        copy(args.tma_q.with(*bar_q, 0), tQgQ, tQsQ(_, write.index()));
-        SM90_BULK_COPY_G2S::copy(args.lse + stats_row, bar_q, smem.lse.data() + write.index() * T::kBlockM,
-                                 T::kBytesRowStats);
-      }
-
-      pipe_do.producer_acquire(write);
-      if (leader) {
-        Tensor gDO = local_tile(mDO(_, _, head, tile.batch), Shape<typename T::TileM, typename T::TileD>{},
-                                make_coord(m_block, _0{}));
-        auto [tDOgDO, tDOsDO] =
-            tma_partition(args.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sDO), group_modes<0, 2>(gDO));
-        uint64_t* bar_do = pipe_do.producer_get_barrier(write);
-        copy(args.tma_do.with(*bar_do, 0), tDOgDO, tDOsDO(_, write.index()));
-        SM90_BULK_COPY_G2S::copy(args.dsum + stats_row, bar_do, smem.dsum.data() + write.index() * T::kBlockM,
-                                 T::kBytesRowStats);
-      }
-      ++write;
-    };
 
     // Each tile waits for the preprocess's LSE and D rows (pdl.hpp) after its K/V, before its own Q and dO:
     // at once but for the first, whose K/V load overlaps the preprocess; later tiles send their first Q and
     // dO early, the rows ready since the first tile's wait.
     const bool first_step_early = schedule.count > 0 && iteration > 0;
-    if (first_step_early) load_step(0);
+    if (first_step_early) load_step(tile, schedule, 0);
     if (iteration > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv_free, (iteration - 1) % 2);
+    publish(tile, schedule);
     if (schedule.count == 0) {  // no query sees these keys: nothing to load, the epilogue writes zeros
       if (leader) cutlass::arch::ClusterBarrier::arrive(&smem.barrier_kv);
-      wait_for_prior_grid();
+      wait_for_prior_grid();  // before the walk's next slot: the kernel before zeroes its counter
       continue;
     }
     if (leader) {
@@ -252,68 +275,82 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
     }
     wait_for_prior_grid();
 #pragma unroll 1  // one step's bookkeeping at a time
-    for (int step = first_step_early ? 1 : 0; step < schedule.count; ++step) load_step(step);
+    for (int step = first_step_early ? 1 : 0; step < smem.steps.count; ++step) {
+      load_step(smem.tile, BwdSchedule<T>(smem.steps), step);
+    }
   }
+  if (iteration > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv_free, (iteration - 1) % 2);
+  publish(BwdTile::end(), BwdSteps{});
+  if (leader) cutlass::arch::ClusterBarrier::arrive(&smem.barrier_kv);
 }
 
 // ---------------------------------------------------------------------------------------------
 // dQ writer (kStagedDq): one warp adds each warpgroup's staged dQ partial to the float32 accumulator
-// with a bulk reduction, then hands the staging buffer back (except after the CTA's last step: the MMA
-// warps wait for exactly one hand-over per step). Deterministic mode: waits for its turn on the query tile's
-// counter first, and passes the turn on once the reductions have completed.
+// with a bulk reduction, then hands the staging buffer back. It follows the MMA warps' partials, not the
+// tiles: the first warpgroup names each partial's query tile (and deterministic turn) in smem.dq_target (a
+// slot per Q stage, in the order of the steps), and a negative query tile once the CTA has no more; the MMA
+// warps take the last hand-backs before that (finish_dq_writer). Deterministic mode: waits for its turn on the query tile's counter first, and passes
+// the turn on once the reductions have completed.
 template <class Traits>
 CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem) {
   using T = Traits;
   constexpr int kHalf = T::kDqFloats / 2;  // one warpgroup's part of a tile's partial
   constexpr int kSyncThreads = 128 + 32;
   const bool leader = threadIdx.x % 32 == 0;
-  int steps_left = 0;
-  for (BwdTileWalk walk(args); walk.valid(args); walk.next(args)) {
-    const BwdTile tile = walk.tile(args);
-    steps_left += bwd_schedule<T>(args, tile.n_block, tile.head_kv, tile.batch).count;
-  }
-  if (steps_left == 0) return;
   wait_for_prior_grid();  // the accumulator and turn counters the preprocess zeroed
   CUTE_UNROLL
   for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
     cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);  // staging starts empty
   }
-  for (BwdTileWalk walk(args); walk.valid(args); walk.next(args)) {
-    const BwdTile tile = walk.tile(args);
-    const BwdSchedule<T> schedule = bwd_schedule<T>(args, tile.n_block, tile.head_kv, tile.batch);
-#pragma unroll 1  // one step's bookkeeping at a time
-    for (int step = 0; step < schedule.count; ++step) {
-      const int entry = schedule.entry(args, step);
-      const int head = tile.head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);
-      const int m_block = BwdSchedule<T>::block(entry);
-      const int query_tile = query_tile_index<T>(args, tile.batch, head, m_block);
-      float* accum = args.dq_accum + int64_t(query_tile) * T::kDqFloats;
-      if (args.deterministic && leader) {
-        wait_turn(args.dq_sem + query_tile, 2 * dq_turn<T>(args, tile.n_block, m_block, head, tile.batch));
-        fence_proxy_async_global();
+#pragma unroll 1  // one partial's bookkeeping at a time
+  for (int slot = 0;; slot = (slot + 1) % T::kStagesQ) {  // the MMA warps' Q stage of the partial's step
+    cutlass::arch::NamedBarrier::sync(kSyncThreads, kBwdBarrierDqFull);
+    const volatile DqTarget* named = &smem.dq_target[slot];
+    const DqTarget target{named->query_tile, named->turn};
+    if (target.query_tile < 0) break;
+    float* accum = args.dq_accum + int64_t(target.query_tile) * T::kDqFloats;
+    if (args.deterministic && leader) {
+      wait_turn(args.dq_sem + target.query_tile, 2 * target.turn);
+      fence_proxy_async_global();
+    }
+    __syncwarp();  // the whole warp meets the named barriers
+    CUTE_UNROLL
+    for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
+      if (wg > 0) cutlass::arch::NamedBarrier::sync(kSyncThreads, kBwdBarrierDqFull + wg);
+      if (leader) {
+        bulk_reduce_add(accum + wg * kHalf, smem.dq.data() + wg * kHalf, kHalf * int(sizeof(float)));
+        tma_store_arrive();
+        tma_store_wait<0>();  // the staging buffer has been read
       }
-      --steps_left;
-      __syncwarp();  // the whole warp meets the named barriers
-      CUTE_UNROLL
-      for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
-        cutlass::arch::NamedBarrier::sync(kSyncThreads, kBwdBarrierDqFull + wg);
-        if (leader) {
-          bulk_reduce_add(accum + wg * kHalf, smem.dq.data() + wg * kHalf, kHalf * int(sizeof(float)));
-          tma_store_arrive();
-          tma_store_wait<0>();  // the staging buffer has been read
-        }
-        __syncwarp();
-        if (steps_left > 0) cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);
-      }
-      if (args.deterministic && leader) {
-        bulk_wait_complete();
-        fence_proxy_async_global();
-        __threadfence();
-        atomicAdd(args.dq_sem + query_tile, 2);
-      }
+      __syncwarp();
+      cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);
+    }
+    if (args.deterministic && leader) {
+      bulk_wait_complete();
+      fence_proxy_async_global();
+      __threadfence();
+      atomicAdd(args.dq_sem + target.query_tile, 2);
     }
   }
   if (leader) bulk_wait_complete();
+}
+
+// The MMA warps after their last tile (kStagedDq): each warpgroup takes the writer's last hand-back (or,
+// without any partial, the empty staging it started with), then the first names no query tile in the slot
+// of the Q stage a next step would have had.
+template <class Traits>
+CUTE_DEVICE void finish_dq_writer(typename Traits::SharedStorage& smem, const typename Traits::StepState& read,
+                                  int tid) {
+  constexpr int kSyncThreads = 128 + 32;
+  const int wg = tid / 128;
+  warpgroup_barrier_sync<kBwdBarrierDqEmpty>(wg, kSyncThreads);
+  if (wg == 0) {
+    if (tid == 0) {
+      static_cast<volatile DqTarget*>(&smem.dq_target[read.index()])->query_tile = -1;
+      asm volatile("" ::: "memory");  // the store stays before the arrival (CUTLASS's asm has no clobber)
+    }
+    cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqFull);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -405,10 +442,28 @@ CUTE_DEVICE void score_gradients(const BwdKernelArgs<Traits>& args, TensorDP& td
   for (int i = 0; i < size(tdPrdP); ++i) tdPrdP(i) = tSrP(i) * (tdPrdP(i) - dsum[get<1>(tScS(i))]);
 }
 
-// Adds this warpgroup's dQ partial (a dQ-MMA fragment) into query tile `tile`.
+// The query tile a step's dQ partial adds into (its entry of the tile's schedule) and, deterministic, its
+// turn there. Computed where the partial is added, from the entry: two registers fewer across the GEMMs.
+template <class Traits>
+CUTE_DEVICE DqTarget dq_target(const BwdKernelArgs<Traits>& args, const volatile BwdTile& tile, int entry) {
+  using S = BwdSchedule<Traits>;
+  const int head = tile.head_kv * args.head_ratio + S::head_in_group(entry), m_block = S::block(entry);
+  return {query_tile_index<Traits>(args, tile.batch, head, m_block),
+          args.deterministic ? dq_turn<Traits>(args, tile.n_block, m_block, head, tile.batch) : 0};
+}
+
+// The MMA warps' thread index (0-255) read afresh: address math from it then stays where it is used
+// instead of holding a register across the steps and tiles (ptxas hoists what it derives from `tid`).
+CUTE_DEVICE int mma_thread_index_afresh() {
+  int thread;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(thread));
+  return thread - 128;
+}
+
+// Adds this warpgroup's dQ partial (a dQ-MMA fragment) of the step `entry` of `tile`.
 template <class Traits, class FragDQ>
 CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
-                        const FragDQ& tdQrdQ, int tid, int tile, int turn) {
+                        const FragDQ& tdQrdQ, int tid, const volatile BwdTile& tile, int entry) {
   using T = Traits;
   const int wg = tid / 128;
   const int t = tid % 128;
@@ -425,10 +480,11 @@ CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::Shar
     cutlass::arch::fence_view_async_shared();  // st.shared visible to the bulk reduction
     warpgroup_barrier_arrive<kBwdBarrierDqFull>(wg, kSyncThreads);
   } else {
-    float* accum = args.dq_accum + int64_t(tile) * T::kDqFloats;
-    int32_t* counter = args.dq_sem + tile;
+    const DqTarget target = dq_target<T>(args, tile, entry);
+    float* accum = args.dq_accum + int64_t(target.query_tile) * T::kDqFloats;
+    int32_t* counter = args.dq_sem + target.query_tile;
     if (args.deterministic) {
-      if (t == 0) wait_turn(counter, 2 * turn);
+      if (t == 0) wait_turn(counter, 2 * target.turn);
       __syncwarp();
       warpgroup_barrier_sync<kBwdBarrierDqTurn>(wg, 128);
     }
@@ -453,8 +509,8 @@ CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::Shar
 template <class Traits, class FragDKV>
 CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                          typename Traits::PipelineQ& pipe_q, typename Traits::PipelineDO& pipe_do,
-                         typename Traits::StepState& read, FragDKV& tdKrdK, FragDKV& tdVrdV, const BwdTile& tile,
-                         int tid) {
+                         typename Traits::StepState& read, FragDKV& tdKrdK, FragDKV& tdVrdV,
+                         const volatile BwdTile& tile, const volatile BwdSteps& steps, int tid) {
   using T = Traits;
   using Element = typename T::Element;
   using TileM = typename T::TileM;
@@ -498,15 +554,24 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
   clear(tdKrdK);
   clear(tdVrdV);
 
-  const int n_block = tile.n_block, batch = tile.batch;
-  const BwdSchedule<T> schedule = bwd_schedule<T>(args, n_block, tile.head_kv, batch);
-  for (int step = 0; step < schedule.count; ++step) {
+  // The tile and its steps are read from shared memory where used (no register held across the steps).
+  for (int step = 0; step < steps.count; ++step) {
     {  // one step: one query tile of one query head
-      const int entry = schedule.entry(args, step);
+      const int entry = BwdSchedule<T>(steps).entry(args, step);
       const int head = tile.head_kv * args.head_ratio + BwdSchedule<T>::head_in_group(entry);
       const int m_block = BwdSchedule<T>::block(entry);
       const int m0 = m_block * T::kBlockM;
       const int ds_stage = step % T::kStagesDS;
+      if constexpr (T::kStagedDq) {
+        // The writer reads it once the first warpgroup's partial is staged. One slot per Q stage, so that
+        // it is written here, before the GEMMs, while the writer may still read the previous step's.
+        if (tid == 0) {
+          const DqTarget target = dq_target<T>(args, tile, entry);
+          volatile DqTarget* named = &smem.dq_target[read.index()];
+          named->query_tile = target.query_tile;
+          named->turn = target.turn;
+        }
+      }
 
       Tensor tSrS = partition_fragment_C(mma_sdp, Shape<TileN, TileM>{});
       Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<TileN, TileM>{});
@@ -516,15 +581,15 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
       wg_gemm<true, -1, false>(mma_sdp, tdPrV, tdPrdO(_, _, _, read.index()), tdPrdP);
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
-      probabilities<T>(args, tSrS, tScS, smem.lse.data() + read.index() * T::kBlockM, entry, m_block, n_block, head,
-                       batch);
+      probabilities<T>(args, tSrS, tScS, smem.lse.data() + read.index() * T::kBlockM, entry, m_block, tile.n_block,
+                       head, tile.batch);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdPrdP);
       score_gradients<T>(args, tdPrdP, tSrS, tScS, smem.dsum.data() + read.index() * T::kBlockM,
                          smem.lse.data() + read.index() * T::kBlockM);
       if constexpr (T::kMask == MaskKind::kAdditive) {
         if (args.mask.dmask != nullptr) {
-          add_mask_gradient(args.mask, tdPrdP, tScS, batch, head, m0, n_block * T::kBlockN,
+          add_mask_gradient(args.mask, tdPrdP, tScS, tile.batch, head, m0, tile.n_block * T::kBlockN,
                             args.seqlen_q, args.seqlen_k);
         }
       }
@@ -535,14 +600,13 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
       convert_pairs(rdS, tdPrdP);
       Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<TileM, TileD>{});
       auto tdQrdS_step = tdQrdS(_, _, _, ds_stage);
-      const int query_tile = query_tile_index<T>(args, batch, head, m_block);
-      const int turn =
-          !T::kStagedDq && args.deterministic ? dq_turn<T>(args, n_block, m_block, head, batch) : 0;
       if constexpr (T::kSplitKeys) {
         // dV += P^T.dO straight from registers, while dS goes to shared memory for dQ.
         Tensor tdVrP = make_tensor(rP.data(), acc_to_a_operand_layout(rP.layout()));
         wg_gemm<false, -1, true>(mma_dkv, tdVrP, tdVrdO(_, _, _, read.index()), tdVrdV);
-        copy(copy_pds, thr_copy_pds.retile_S(rdS), tPdSsdS(_, _, _, ds_stage));
+        // (Addressed from the thread index afresh: a store address kept across the step spilled.)
+        auto thr_copy_ds = copy_pds.get_thread_slice(mma_thread_index_afresh());
+        copy(copy_pds, thr_copy_ds.retile_S(rdS), thr_copy_ds.partition_D(sdSt)(_, _, _, ds_stage));
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierDsReady);
         wg_gemm<true, -1, false>(mma_dq, tdQrdS_step, tdQrK, tdQrdQ);
@@ -551,7 +615,7 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
         warpgroup_wait<1>();  // dV and dQ done, dK may still run
         warpgroup_fence_operand(tdQrdQ);
         pipe_do.consumer_release(read);
-        add_dq<T>(args, smem, tdQrdQ, tid, query_tile, turn);
+        add_dq<T>(args, smem, tdQrdQ, tid, tile, entry);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);
@@ -561,7 +625,9 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
         Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename T::SmemLayoutPdSt{});
         Tensor tPdSsP = thr_copy_pds.partition_D(sPt);
         copy(copy_pds, thr_copy_pds.retile_S(rP), tPdSsP(_, _, _, ds_stage));
-        copy(copy_pds, thr_copy_pds.retile_S(rdS), tPdSsdS(_, _, _, ds_stage));
+        // (Addressed from the thread index afresh: a store address kept across the step spilled.)
+        auto thr_copy_ds = copy_pds.get_thread_slice(mma_thread_index_afresh());
+        copy(copy_pds, thr_copy_ds.retile_S(rdS), thr_copy_ds.partition_D(sdSt)(_, _, _, ds_stage));
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierDsReady);
         wg_gemm<true, -1, false>(mma_dq, tdQrdS_step, tdQrK, tdQrdQ);
@@ -571,7 +637,7 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
         wg_gemm<false, -1, false>(mma_dkv, tdKrdSt, tdKrQ(_, _, _, read.index()), tdKrdK);
         warpgroup_wait<2>();  // dQ done; its adds overlap dV and dK
         warpgroup_fence_operand(tdQrdQ);
-        add_dq<T>(args, smem, tdQrdQ, tid, query_tile, turn);
+        add_dq<T>(args, smem, tdQrdQ, tid, tile, entry);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);

@@ -1,6 +1,7 @@
 // The two light kernels around the backward mainloop, one CTA per (query tile, query head, batch):
 //  bwd_preprocess:  D = rowsum(dO * O) and the LSE rows in the mainloop's units into the workspace
-//                   (padding rows inert), and a zeroed dQ accumulator and turn counter for the tile.
+//                   (padding rows inert), a zeroed dQ accumulator and turn counter for the tile, and
+//                   (the first CTA) the main kernel's zeroed tile counter.
 //  bwd_postprocess: dQ = scale * accumulator, converted and stored with one TMA copy.
 #pragma once
 
@@ -30,6 +31,7 @@ struct BwdPreprocessArgs {
   float* dsum_rows;  // workspace: D
   float* dq_accum;
   int32_t* dq_sem;
+  int32_t* tile_counter;
   int seqlen_q, heads_q, num_m_blocks;
   int head_dim;  // the tensors' (a multiple of 8, at most the kernel's): columns past it are not read
 };
@@ -87,6 +89,7 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_preprocess(const BwdPrepr
   float4* accum = reinterpret_cast<float4*>(a.dq_accum + int64_t(tile) * T::kDqFloats);
   for (int i = threadIdx.x; i < T::kDqFloats / 4; i += kPrepostThreads) accum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (threadIdx.x == 0) a.dq_sem[tile] = 0;
+  if (tile == 0 && threadIdx.x == 0) *a.tile_counter = 0;
 }
 
 template <class Traits>

@@ -79,6 +79,19 @@ enum BwdBarrier : int {
 // D = 64-256), the persistent grid up to 9 % faster at 512-8k.
 inline constexpr int kBwdStrideMaxSeqlenQ = 8192;
 
+// The steps of a key tile (BwdSchedule, bwd_mainloop_sm90.hpp), as the producer publishes them with the tile.
+struct BwdSteps {
+  int first = 0;                // masked kernels: index of the first step's entry in args.mask.lists
+  int begin = 0, per_head = 0;  // unmasked kernels
+  int count = 0;
+};
+
+// What the MMA warps tell the dQ writer with each staged partial: the query tile it adds into, and
+// (deterministic mode) the turn to wait for on that tile's counter.
+struct DqTarget {
+  int query_tile, turn;
+};
+
 template <int HeadDim_, DType Dt, bool Causal_, MaskKind Mask_ = MaskKind::kNone>
 struct BwdTraits {
   using Element = typename ElementOf<Dt>::type;
@@ -179,6 +192,8 @@ struct BwdTraits {
   using PipelineDO = cutlass::PipelineTmaAsync<kStagesDO>;
   // Q and dO advance together, a stage per step: one pipeline state serves both (two registers fewer).
   static_assert(kStagesQ == kStagesDO);
+  // A step names its dQ partial's target before its GEMMs, while the writer may read the step before's.
+  static_assert(!kStagedDq || kStagesQ >= 2, "staged dQ needs a target slot per step in flight");
   using StepState = typename PipelineQ::PipelineState;
 
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
@@ -203,9 +218,12 @@ struct BwdTraits {
     cute::array_aligned<float, kBlockM * kStagesDO, 128> dsum;
     typename PipelineQ::SharedStorage pipe_q;
     typename PipelineDO::SharedStorage pipe_do;
-    alignas(8) uint64_t barrier_kv;       // K and V of the tile have landed
+    alignas(8) uint64_t barrier_kv;       // K and V of the tile have landed (and `tile` names it)
     alignas(8) uint64_t barrier_kv_free;  // the tile's dK/dV stores have read the K and V buffers
     int kv_phase;                         // the barrier_kv phase the MMA warps wait for next
+    BwdTile tile;                         // the producer's current tile (BwdTile::end(): no more)
+    BwdSteps steps;                       // and its steps
+    DqTarget dq_target[kStagesQ];         // kStagedDq: where a step's partial goes, per Q stage (< 0: no more)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= kSmemCapacityBytes, "tile config exceeds shared memory");
@@ -214,11 +232,12 @@ struct BwdTraits {
 // Where the float32 workspaces of one call live (byte offsets into BwdParams::workspace), all
 // indexed [batch, query head, padded query row]: rows past Sq up to a whole tile exist and stay inert.
 struct BwdWorkspace {
-  int64_t lse_offset = 0;    // float: LSE in the kernel's units (+inf for empty and padding rows)
-  int64_t dsum_offset = 0;   // float: rowsum(dO * O) (0 for padding rows)
-  int64_t dq_offset = 0;     // float: dQ accumulator, kDqFloats per query tile in fragment order
-  int64_t sem_offset = 0;    // int32 per query tile: deterministic mode's turn counters
-  int64_t mask_offset = 0;   // masked kernels: the mask pre-pass workspace (bwd_mask.hpp)
+  int64_t lse_offset = 0;      // float: LSE in the kernel's units (+inf for empty and padding rows)
+  int64_t dsum_offset = 0;     // float: rowsum(dO * O) (0 for padding rows)
+  int64_t dq_offset = 0;       // float: dQ accumulator, kDqFloats per query tile in fragment order
+  int64_t sem_offset = 0;      // int32 per query tile: deterministic mode's turn counters
+  int64_t counter_offset = 0;  // int32: the persistent grid's tile counter (BwdTileWalk)
+  int64_t mask_offset = 0;     // masked kernels: the mask pre-pass workspace (bwd_mask.hpp)
   int64_t total_bytes = 0;
 
   template <class Traits>
@@ -230,7 +249,8 @@ struct BwdWorkspace {
     w.dsum_offset = w.lse_offset + aligned(rows * int64_t(sizeof(float)));
     w.dq_offset = w.dsum_offset + aligned(rows * int64_t(sizeof(float)));
     w.sem_offset = w.dq_offset + aligned(rows * Traits::kHeadDim * int64_t(sizeof(float)));
-    w.mask_offset = w.sem_offset + aligned(batch * heads_q * m_blocks * int64_t(sizeof(int32_t)));
+    w.counter_offset = w.sem_offset + aligned(batch * heads_q * m_blocks * int64_t(sizeof(int32_t)));
+    w.mask_offset = w.counter_offset + aligned(int64_t(sizeof(int32_t)));
     w.total_bytes = w.mask_offset + aligned(mask_bytes);
     return w;
   }
@@ -263,12 +283,12 @@ struct BwdKernelArgs {
   int32_t* dq_sem;
   int seqlen_q, seqlen_k, heads_q, head_ratio;  // head_ratio = Hq / Hkv
   int num_m_blocks, num_n_blocks;
-  // BwdTileWalk (tile_scheduler.hpp): slots per (batch, kv head) (num_n_blocks, or pairs of key tiles), gridDim.x as (slots, kv
-  // heads, batches), and the divisions of a CTA's first slot.
-  bool paired;
-  int slots_per_head;
-  int stride_slots, stride_heads, stride_batches;
+  // BwdTileWalk (tile_scheduler.hpp): persistent (slots taken from tile_counter), paired key tiles, the slots
+  // per (batch, kv head) (num_n_blocks, or pairs of key tiles) and in all, and the divisions of a slot number.
+  bool persistent, paired;
+  int slots_per_head, slots;
   cutlass::FastDivmod slots_divmod, heads_kv_divmod;
+  int32_t* tile_counter;  // the slots taken so far beyond the first gridDim.x (zeroed by the preprocess)
   int key_block_first, key_block_step;  // key tile = first + step * (the tile's place in its kv head)
   float scale;      // softmax scale
   float scale_log2; // scale * log2(e)

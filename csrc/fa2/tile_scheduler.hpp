@@ -18,6 +18,7 @@
 #pragma once
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -78,74 +79,85 @@ inline dim3 forward_grid(int num_m_blocks, int heads, int batch, bool persistent
 }
 
 
-// A key tile of the backward: the unit of work of a CTA.
+// A key tile of the backward: the unit of work of a CTA. The producer hands each tile it walks to the
+// other roles through shared memory; a negative batch says the walk has ended.
 struct BwdTile {
   int n_block, head_kv, batch;
+  CUTE_HOST_DEVICE static BwdTile end() { return {0, 0, -1}; }
 };
 
-// The backward's key tiles: one per (key tile, kv head, batch), numbered with the key tiles of one (batch, kv head)
-// next to each other (causal: most query tiles first). A persistent launch has one CTA per SM striding
-// through them: the next tile's first Q and dO loads overlap the current tile's epilogue, and the launch and
-// set-up are paid once per SM. Otherwise each CTA runs the tile blockIdx.x, and the walks end after it.
-// Deterministic calls take one CTA per tile: a turn then only waits for tiles of CTAs launched before
-// (dq_turn), which every CTA of a striding grid is not guaranteed to be.
-// A striding CTA steps over slots: a key tile, or, under causal positions (args.paired), a pair of one
-// (batch, kv head)'s key tiles j and N-1-j, heavy then light, which together cost about the same whatever j
-// is (without pairs a stride that is a multiple of N would hand a CTA the same key tile of every head).
-// Every role walks its CTA's slots alike: the slot number kept as (slot, kv head, batch) and stepped by
-// gridDim.x in that form (args.stride_*) with carries, no division per tile, and the first one decoded by
-// multiplications (FastDivmod), so that the walk stays in uniform registers (with divisions it took vector
-// registers, and the D=64 causal kernel spilled).
+// The backward's key tiles: one per (key tile, kv head, batch), in slots numbered with the key tiles of one
+// (batch, kv head) next to each other. A persistent launch (one CTA per SM) under causal positions or a mask
+// pairs a (batch, kv head)'s key tiles j and N-1-j into one slot, heavy then light: under causal positions
+// the pair costs about the same whatever j is, and under a mask it evens out what a slot costs (unmasked
+// tiles of equal cost stay single: paired, the CTAs running together read the queries of twice as many
+// heads, and 512-token calls ran 13 % slower, H100). Its CTAs take slots dynamically: the
+// first is blockIdx.x, each next one the lowest slot no CTA has taken yet (a counter the preprocess zeroes,
+// BwdKernelArgs::tile_counter), so a CTA whose slots were cheap (keys a mask hides, a short sequence of a
+// padded batch) takes more. A static stride (CTA c: slots c, c + 132, ...) put the busiest SM at 1.08-1.32x
+// the mean on the masked training cells (scripts/backward_balance_model.py); taking slots dynamically gives
+// 1.03-1.09x there. The next tile's first Q and dO loads overlap the current tile's epilogue, and the
+// launch and set-up are paid once per SM. Otherwise (deterministic calls, long query sequences) each CTA
+// runs the tile blockIdx.x alone, in tile order: the hardware hands the next tile to the SM that frees up,
+// and a deterministic turn only waits for tiles of CTAs launched before (dq_turn).
+// Only the producer warp walks (warp-uniform, its fields in uniform registers where they can be); the
+// counter is read after the kernel before has finished (pdl.hpp), since that kernel zeroes it.
 template <class Args>
 struct BwdTileWalk {
-  int slot, head_kv, batch;
+  int slot;      // this CTA's slot; args.slots and above: the walk has ended
   int side = 0;  // paired slots: 0 the heavy key tile j, 1 the light one N-1-j
 
-  CUTE_DEVICE explicit BwdTileWalk(const Args& args) {
-    int slice;
-    args.slots_divmod.fast_divmod(slice, slot, int(blockIdx.x));
-    args.heads_kv_divmod.fast_divmod(batch, head_kv, slice);
-  }
-  CUTE_DEVICE bool valid(const Args& args) const { return batch < cute::get<3>(args.shape_kv); }
+  CUTE_DEVICE explicit BwdTileWalk(const Args&) : slot(int(blockIdx.x)) {}
+  CUTE_DEVICE bool valid(const Args& args) const { return slot < args.slots; }
+  // To the pair's light tile, else to the next slot: persistent launches take it from the counter (lane 0
+  // for the warp; the producer calls this once a tile's loads are all issued, so the atomic's latency
+  // overlaps the MMA warps' last steps), one CTA per slot ends.
   CUTE_DEVICE void next(const Args& args) {
-    if (args.paired && side == 0 && 2 * slot + 1 < args.num_n_blocks) {  // the pair's light tile, if it has one
+    if (args.paired && side == 0 && 2 * slot_in_head(args) + 1 < args.num_n_blocks) {
       side = 1;
       return;
     }
     side = 0;
-    slot += args.stride_slots;
-    head_kv += args.stride_heads;
-    batch += args.stride_batches;
-    if (slot >= args.slots_per_head) {
-      slot -= args.slots_per_head;
-      ++head_kv;
+    if (!args.persistent) {
+      slot = INT_MAX;
+      return;
     }
-    if (head_kv >= cute::get<2>(args.shape_kv)) {
-      head_kv -= cute::get<2>(args.shape_kv);
-      ++batch;
-    }
+    int taken = 0, ctas;
+    if (threadIdx.x % 32 == 0) taken = atomicAdd(args.tile_counter, 1);
+    asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(ctas));  // read here: kept across the loop, it spilled
+    slot = ctas + __shfl_sync(0xffffffffu, taken, 0);
   }
+  // (Decoded where asked rather than kept: the producer warp has few registers.)
   CUTE_DEVICE BwdTile tile(const Args& args) const {
-    const int key_index = side ? args.num_n_blocks - 1 - slot : slot;
+    int slice, in_head, head_kv, batch;
+    args.slots_divmod.fast_divmod(slice, in_head, slot);
+    args.heads_kv_divmod.fast_divmod(batch, head_kv, slice);
+    const int key_index = side ? args.num_n_blocks - 1 - in_head : in_head;
     return {args.key_block_first + args.key_block_step * key_index, head_kv, batch};
+  }
+
+ private:
+  CUTE_DEVICE int slot_in_head(const Args& args) const {
+    int slice, in_head;
+    args.slots_divmod.fast_divmod(slice, in_head, slot);
+    return in_head;
   }
 };
 
 // Host side of BwdTileWalk: sets the walk's fields of args for num_n_blocks key tiles per (batch, kv head)
-// (persistent: at most num_sms CTAs, in pairs under causal positions) and returns the grid's CTA count.
+// (persistent: at most num_sms CTAs, with paired slots where key tiles cost `uneven`ly) and returns the
+// grid's CTA count.
 template <class Args>
-inline int64_t plan_bwd_walk(Args& args, int num_n_blocks, int heads_kv, int batch, bool persistent, bool causal,
+inline int64_t plan_bwd_walk(Args& args, int num_n_blocks, int heads_kv, int batch, bool persistent, bool uneven,
                              int num_sms) {
-  args.paired = persistent && causal;
+  args.persistent = persistent;
+  args.paired = persistent && uneven;
   args.slots_per_head = args.paired ? (num_n_blocks + 1) / 2 : num_n_blocks;
   const int64_t slots = int64_t(args.slots_per_head) * heads_kv * batch;
-  const int64_t ctas = persistent ? std::min<int64_t>(slots, num_sms) : slots;
-  args.stride_slots = int(ctas % args.slots_per_head);
-  args.stride_heads = int(ctas / args.slots_per_head % heads_kv);
-  args.stride_batches = int(ctas / (int64_t(args.slots_per_head) * heads_kv));
+  args.slots = int(slots);
   args.slots_divmod = cutlass::FastDivmod(args.slots_per_head);
   args.heads_kv_divmod = cutlass::FastDivmod(heads_kv);
-  return ctas;
+  return persistent ? std::min<int64_t>(slots, num_sms) : slots;
 }
 
 }  // namespace fa2

@@ -473,7 +473,7 @@ PERSISTENT_CASES = {
 @pytest.mark.parametrize("dt", ["bf16", "fp16"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_backward_persistent_grid(d, dt, case):
-    """One CTA per SM striding through the key tiles (the default) against one CTA per tile: dK and dV
+    """One CTA per SM taking slots of key tiles (the default) against one CTA per tile: dK and dV
     bit-equal (a tile sums its steps in the same order either way), dQ (added in whatever order the tiles
     finish) and all three within the 2x rule."""
     needs_kernel(d, dt)
