@@ -5,7 +5,7 @@ grid): the producer warp (`bwd_load`, bwd_mainloop_sm90.hpp), the dQ writer warp
 dQ is staged) and the MMA warpgroups (`bwd_mma`, `add_dq`, `bwd_epilogue`, `finish_dq_writer`), the first
 warpgroup split into its thread 0 (which names each step's dQ target, flips the K/V phase, stores dK/dV and
 frees the K/V buffers) and the rest. Each is a sequence of barrier operations: the K/V barrier and its "free"
-barrier, the Q and dO pipelines, the named barriers (dS ready, epilogue, dQ empty/full per warpgroup), the
+barrier, the Q and dO pipelines, the named barriers (dS ready, tile done, epilogue, dQ empty/full per warpgroup), the
 K/V phase kept in shared memory, and the buffers they guard (K/V, the tile and its steps the producer names
 for the others, the Q and dO stages, the dS and P stages, the dQ staging halves and the dQ target slots).
 The producer names one more tile after the last, the end, and the MMA warps name the writer a last target,
@@ -47,7 +47,7 @@ def warpgroup(proc: int) -> int:
 
 
 def producer_ops(tiles: list[int], early_first_step: bool = True, wait_kv_free: bool = True,
-                 publish_after_kv_free: bool = True) -> list[tuple]:
+                 publish_after_tile_done: bool = True) -> list[tuple]:
     """bwd_load for tiles of the given step counts, then the end named. The keywords change the protocol, to
     show that the check finds what such changes break."""
     ops: list[tuple] = []
@@ -66,20 +66,25 @@ def producer_ops(tiles: list[int], early_first_step: bool = True, wait_kv_free: 
         early = early_first_step and steps > 0 and i > 0
         if early:
             load_step()
-        if not publish_after_kv_free:
+        if not publish_after_tile_done:
             ops.append(("write", "TILE"))
+        if i > 0:
+            ops.append(("nb_sync", "tile_done"))  # the epilogue's first barrier
+        if publish_after_tile_done:
+            ops.append(("write", "TILE"))  # the tile and its steps, for the other roles
         if i > 0 and wait_kv_free:
             ops.append(("wait", "kv_free", (i - 1) % 2))
-        if publish_after_kv_free:
-            ops.append(("write", "TILE"))  # the tile and its steps, for the other roles
         if steps > 0:
             ops.append(("write", "KV"))
         ops.append(("arrive", "kv"))  # with the K/V bytes, or plain for a tile without steps
         for _ in range(1 if early else 0, steps):
             load_step()
     if tiles:
+        ops.append(("nb_sync", "tile_done"))
+    ops.append(("write", "TILE"))  # BwdTile::end()
+    if tiles:
         ops.append(("wait", "kv_free", (len(tiles) - 1) % 2))
-    ops.extend([("write", "TILE"), ("arrive", "kv")])  # BwdTile::end()
+    ops.append(("arrive", "kv"))
     return ops
 
 
@@ -134,17 +139,14 @@ def mma_ops(tiles: list[int], proc: int, cfg: Config, flip_after_stores: bool = 
                 read, phase = 0, phase ^ 1
         if steps > 0:
             ops.append(("use_end", "KV"))
-        # The epilogue: dK/dV staged in the K/V buffers between two barriers, stored by thread 0 (which reads
-        # the tile's name for the store; the others are done with it).
-        if proc != LEADER:
-            ops.append(("use_end", "TILE"))
-        ops.append(("nb_sync", "epilogue"))
+        # The epilogue: dK/dV staged in the K/V buffers between two barriers, the first with the producer
+        # (thread 0 has read the tile's name for the store), stored by thread 0.
+        ops.extend([("use_end", "TILE"), ("nb_sync", "tile_done")])
         if proc == LEADER and not flip_after_stores:
             ops.append(("flip_phase",))
         ops.extend([("write", "KV"), ("nb_sync", "epilogue")])
         if proc == LEADER:
-            ops.extend([("use_begin", "KV"), ("use_end", "KV"), ("use_end", "TILE"),
-                        ("arrive", "kv_free")])  # the TMA store's read
+            ops.extend([("use_begin", "KV"), ("use_end", "KV"), ("arrive", "kv_free")])  # the TMA store's read
             if flip_after_stores:
                 ops.append(("flip_phase",))
     n = len(tiles)
@@ -155,7 +157,7 @@ def mma_ops(tiles: list[int], proc: int, cfg: Config, flip_after_stores: bool = 
         if wg == 0:
             if proc == LEADER:
                 ops.append(("write", f"DQT{read % target_slots}"))
-            ops.append(("nb_arrive", "dq_full0"))
+            ops.append(("nb_sync", "dq_full0"))
     return ops
 
 
@@ -174,8 +176,9 @@ def explore(tiles: list[int], cfg: Config, producer=producer_ops, writer=writer_
         for pipe in ("q", "do"):
             arrivals[f"{pipe}_full{s}"] = 1
             arrivals[f"{pipe}_empty{s}"] = len(MMA)
-    # Named barriers and their participants: both warpgroups, or one warpgroup and the writer.
-    participants = {"ds_ready": 3, "epilogue": 3, "dq_empty0": 3, "dq_full0": 3, "dq_empty1": 2, "dq_full1": 2}
+    # Named barriers and their participants: both warpgroups (and the producer), or one warpgroup and the writer.
+    participants = {"ds_ready": 3, "tile_done": 4, "epilogue": 3, "dq_empty0": 3, "dq_full0": 3, "dq_empty1": 2,
+                    "dq_full1": 2}
     return protocol_model.explore(procs, arrivals, participants)
 
 

@@ -30,18 +30,18 @@ def test_kernels_never_deadlock_or_race(cfg, tiles):
 
 
 @pytest.mark.parametrize("cfg", protocol.KERNEL_CONFIGS, ids=str)
-def test_check_finds_the_race_of_a_next_tile_begun_before_the_stores_read_k_and_v(cfg):
-    """Without the wait the producer names the next tile (and then loads its K and V) while the epilogue still
-    reads the buffers: the first race is the name's."""
+def test_check_finds_the_race_of_next_keys_loaded_before_the_stores_read_k_and_v(cfg):
+    """Without the wait the producer loads the next tile's K and V while the epilogue's stores still read the
+    buffers."""
     errors, _ = protocol.explore([1, 2], cfg, producer=lambda tiles: protocol.producer_ops(tiles, wait_kv_free=False))
-    assert errors and errors[0].startswith("race: a write into TILE"), errors
+    assert errors and errors[0].startswith("race: a write into KV"), errors
 
 
 @pytest.mark.parametrize("cfg", protocol.KERNEL_CONFIGS, ids=str)
 def test_check_finds_the_race_of_a_tile_named_before_the_last_one_is_done(cfg):
-    """The producer may name the next tile only once the MMA warps have freed K and V of the one before."""
+    """The producer may name the next tile only once the MMA warps are past the epilogue's first barrier."""
     errors, _ = protocol.explore([1, 1], cfg,
-                                 producer=lambda tiles: protocol.producer_ops(tiles, publish_after_kv_free=False))
+                                 producer=lambda tiles: protocol.producer_ops(tiles, publish_after_tile_done=False))
     assert errors and errors[0].startswith("race: a write into TILE"), errors
 
 

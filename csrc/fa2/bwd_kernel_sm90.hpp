@@ -17,9 +17,11 @@ using namespace cute;
 
 // dK (scaled here) and dV: converted, staged in the K and V buffers (stmatrix) once both warpgroups are
 // done reading them, and stored with one TMA copy each (rows past Sk clipped by the tensor map); once the
-// stores have read the buffers, barrier_kv_free lets the producer load the next tile's K and V. The MMA
-// warps' next barrier_kv phase flips here too, between two barriers that every MMA thread passes after
-// reading it.
+// stores have read the buffers, barrier_kv_free lets the producer load the next tile's K and V. The first
+// barrier also tells the producer warp, which syncs on it, that the tile's name is no longer read (thread 0
+// has taken the store's coordinates): a barrier every party syncs on, which sanitizers follow, where an
+// order through thread 0's later arrival would be as correct. The MMA warps' next barrier_kv phase flips
+// here too, between two barriers that every MMA thread passes after reading it.
 template <class Traits, class FragDKV>
 CUTE_DEVICE void bwd_epilogue(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                               FragDKV& tdKrdK, const FragDKV& tdVrdV, const volatile BwdTile& tile) {
@@ -38,7 +40,8 @@ CUTE_DEVICE void bwd_epilogue(const BwdKernelArgs<Traits>& args, typename Traits
   auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
   const int tid = mma_thread_index_afresh();
   auto thr_copy = smem_copy.get_thread_slice(tid);
-  cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierEpilogue);  // K and V no longer read
+  const int n_block = tile.n_block, head_kv = tile.head_kv, batch = tile.batch;  // (used by thread 0)
+  cutlass::arch::NamedBarrier::sync(T::kMmaThreads + 32, kBwdBarrierTileDone);
   if (tid == 0) *static_cast<volatile int*>(&smem.kv_phase) ^= 1;
   copy(smem_copy, thr_copy.retile_S(rdK), thr_copy.partition_D(sdK));
   copy(smem_copy, thr_copy.retile_S(rdV), thr_copy.partition_D(sdV));
@@ -46,7 +49,6 @@ CUTE_DEVICE void bwd_epilogue(const BwdKernelArgs<Traits>& args, typename Traits
   cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierEpilogue);
 
   if (tid == 0) {
-    const int n_block = tile.n_block, head_kv = tile.head_kv, batch = tile.batch;
     Tensor mdK = args.tma_dk.get_tma_tensor(args.shape_kv);
     Tensor mdV = args.tma_dv.get_tma_tensor(args.shape_kv);
     Tensor gdK = local_tile(mdK(_, _, head_kv, batch), Shape<typename T::TileN, typename T::TileD>{},

@@ -178,8 +178,8 @@ CUTE_DEVICE void warpgroup_barrier_arrive(int wg, int threads) {
 // shared memory for the other roles and loads K and V once, completing a phase of barrier_kv (a tile without
 // steps completes it with a plain arrival, so that phases count tiles); per step the Q tile with its LSE rows
 // on the Q pipeline and the dO tile with its D rows on the dO pipeline. The tile's name and its K and V wait
-// for the previous tile's epilogue, which stages dK and dV in their buffers; the tile's first Q and dO go out
-// before that wait. After the last tile one more phase names BwdTile::end().
+// for the previous tile's epilogue (its first barrier, and the stores that read the K and V buffers); the
+// tile's first Q and dO go out before those waits. After the last tile one more phase names BwdTile::end().
 template <class Traits>
 CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                           typename Traits::PipelineQ& pipe_q, typename Traits::PipelineDO& pipe_do) {
@@ -195,8 +195,8 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
   const bool leader = threadIdx.x % 32 == 0;  // the pipelines' leader (is_leader) too
   auto write = cutlass::make_producer_start_state<typename T::PipelineQ>();  // Q's and dO's (StepState)
 
-  // The tile the other roles run next and its steps: written once they are done with the one before
-  // (barrier_kv_free), published by barrier_kv's arrival (a release; their wait acquires it).
+  // The tile the other roles run next and its steps: written once the MMA warps are done with the one
+  // before (kBwdBarrierTileDone), published by barrier_kv's arrival (a release; their wait acquires it).
   auto publish = [&](const BwdTile& tile, const BwdSteps& steps) {
     __syncwarp();  // the warp has read the last copy back
     if (leader) {
@@ -255,8 +255,9 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
     // dO early, the rows ready since the first tile's wait.
     const bool first_step_early = schedule.count > 0 && iteration > 0;
     if (first_step_early) load_step(tile, schedule, 0);
-    if (iteration > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv_free, (iteration - 1) % 2);
+    if (iteration > 0) cutlass::arch::NamedBarrier::sync(T::kMmaThreads + 32, kBwdBarrierTileDone);
     publish(tile, schedule);
+    if (iteration > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv_free, (iteration - 1) % 2);
     if (schedule.count == 0) {  // no query sees these keys: nothing to load, the epilogue writes zeros
       if (leader) cutlass::arch::ClusterBarrier::arrive(&smem.barrier_kv);
       wait_for_prior_grid();  // before the walk's next slot: the kernel before zeroes its counter
@@ -279,8 +280,9 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
       load_step(smem.tile, BwdSchedule<T>(smem.steps), step);
     }
   }
-  if (iteration > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv_free, (iteration - 1) % 2);
+  if (iteration > 0) cutlass::arch::NamedBarrier::sync(T::kMmaThreads + 32, kBwdBarrierTileDone);
   publish(BwdTile::end(), BwdSteps{});
+  if (iteration > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv_free, (iteration - 1) % 2);
   if (leader) cutlass::arch::ClusterBarrier::arrive(&smem.barrier_kv);
 }
 
@@ -347,9 +349,10 @@ CUTE_DEVICE void finish_dq_writer(typename Traits::SharedStorage& smem, const ty
   if (wg == 0) {
     if (tid == 0) {
       static_cast<volatile DqTarget*>(&smem.dq_target[read.index()])->query_tile = -1;
-      asm volatile("" ::: "memory");  // the store stays before the arrival (CUTLASS's asm has no clobber)
+      asm volatile("" ::: "memory");  // the store stays before the barrier (CUTLASS's asm has no clobber)
     }
-    cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqFull);
+    // A sync where an arrival would do (the writer waits there already): sanitizers see the store ordered.
+    cutlass::arch::NamedBarrier::sync(kSyncThreads, kBwdBarrierDqFull);
   }
 }
 

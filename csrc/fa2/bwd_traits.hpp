@@ -72,6 +72,7 @@ enum BwdBarrier : int {
   kBwdBarrierDqFull = 2,    // + warpgroup: its dQ partial is staged (warpgroup + dQ writer warp)
   kBwdBarrierDqEmpty = 4,   // + warpgroup: the writer has read the staged partial
   kBwdBarrierDqTurn = 6,    // + warpgroup: deterministic mode, direct dQ adds (one warpgroup)
+  kBwdBarrierTileDone = 8,  // both MMA warpgroups and the producer warp: the tile's K, V and name no longer read
 };
 
 // Above this many query rows a key tile's loop is long enough that the persistent grid's saved launches
