@@ -351,7 +351,8 @@ CUTE_DEVICE void finish_dq_writer(typename Traits::SharedStorage& smem, const ty
       static_cast<volatile DqTarget*>(&smem.dq_target[read.index()])->query_tile = -1;
       asm volatile("" ::: "memory");  // the store stays before the barrier (CUTLASS's asm has no clobber)
     }
-    // A sync where an arrival would do (the writer waits there already): sanitizers see the store ordered.
+    // A sync where an arrival would do (the writer waits there already): racecheck reported the store
+    // before an arrival against the writer's read.
     cutlass::arch::NamedBarrier::sync(kSyncThreads, kBwdBarrierDqFull);
   }
 }
