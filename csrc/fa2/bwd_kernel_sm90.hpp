@@ -41,7 +41,7 @@ CUTE_DEVICE void bwd_epilogue(const BwdKernelArgs<Traits>& args, typename Traits
   const int tid = mma_thread_index_afresh();
   auto thr_copy = smem_copy.get_thread_slice(tid);
   const int n_block = tile.n_block, head_kv = tile.head_kv, batch = tile.batch;  // (used by thread 0)
-  cutlass::arch::NamedBarrier::sync(T::kMmaThreads + 32, kBwdBarrierTileDone);
+  cutlass::arch::NamedBarrier::sync(T::kTileDoneThreads, kBwdBarrierTileDone);
   if (tid == 0) *static_cast<volatile int*>(&smem.kv_phase) ^= 1;
   copy(smem_copy, thr_copy.retile_S(rdK), thr_copy.partition_D(sdK));
   copy(smem_copy, thr_copy.retile_S(rdV), thr_copy.partition_D(sdV));

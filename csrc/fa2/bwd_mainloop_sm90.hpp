@@ -213,6 +213,13 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
     }
     __syncwarp();  // the warp reads the published copy back (load_step)
   };
+  // After the first tile: the name once the MMA warps are past the last tile's epilogue barrier, then the
+  // wait for its stores to have read the K/V buffers.
+  auto hand_over = [&](int iteration, const BwdTile& tile, const BwdSteps& steps) {
+    if (iteration > 0) cutlass::arch::NamedBarrier::sync(T::kTileDoneThreads, kBwdBarrierTileDone);
+    publish(tile, steps);
+    if (iteration > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv_free, (iteration - 1) % 2);
+  };
   // One step's Q and dO. The tile is the walk's own before it is published and the published copy after,
   // read afresh: the producer warp's 24 registers cannot hold a tile and its steps across the step loop.
   auto load_step = [&](const auto& tile, const BwdSchedule<T>& schedule, int step) {
@@ -255,9 +262,7 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
     // dO early, the rows ready since the first tile's wait.
     const bool first_step_early = schedule.count > 0 && iteration > 0;
     if (first_step_early) load_step(tile, schedule, 0);
-    if (iteration > 0) cutlass::arch::NamedBarrier::sync(T::kMmaThreads + 32, kBwdBarrierTileDone);
-    publish(tile, schedule);
-    if (iteration > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv_free, (iteration - 1) % 2);
+    hand_over(iteration, tile, schedule);
     if (schedule.count == 0) {  // no query sees these keys: nothing to load, the epilogue writes zeros
       if (leader) cutlass::arch::ClusterBarrier::arrive(&smem.barrier_kv);
       wait_for_prior_grid();  // before the walk's next slot: the kernel before zeroes its counter
@@ -280,9 +285,7 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
       load_step(smem.tile, BwdSchedule<T>(smem.steps), step);
     }
   }
-  if (iteration > 0) cutlass::arch::NamedBarrier::sync(T::kMmaThreads + 32, kBwdBarrierTileDone);
-  publish(BwdTile::end(), BwdSteps{});
-  if (iteration > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv_free, (iteration - 1) % 2);
+  hand_over(iteration, BwdTile::end(), BwdSteps{});
   if (leader) cutlass::arch::ClusterBarrier::arrive(&smem.barrier_kv);
 }
 

@@ -116,6 +116,7 @@ struct BwdTraits {
   static constexpr int kMmaWarpgroups = 2;
   static constexpr int kMmaThreads = 128 * kMmaWarpgroups;
   static constexpr int kThreads = 128 + kMmaThreads;  // warpgroup 0: loads and dQ writes
+  static constexpr int kTileDoneThreads = kMmaThreads + 32;  // kBwdBarrierTileDone: with the producer warp
   // setmaxnreg moves registers between the warpgroups: what the MMA warpgroups gain must not exceed
   // what the producer warpgroup gives back from the launch allocation (else setmaxnreg.inc waits forever).
   static constexpr int kProducerRegs = 24;
