@@ -5,9 +5,10 @@ grid): the producer warp (`bwd_load`, bwd_mainloop_sm90.hpp), the dQ writer warp
 dQ is staged) and the MMA warpgroups (`bwd_mma`, `add_dq`, `bwd_epilogue`, `finish_dq_writer`), the first
 warpgroup split into its thread 0 (which names each step's dQ target, flips the K/V phase, stores dK/dV and
 frees the K/V buffers) and the rest. Each is a sequence of barrier operations: the K/V barrier and its "free"
-barrier, the Q and dO pipelines, the named barriers (dS ready, tile done, epilogue, dQ empty/full per warpgroup), the
-K/V phase kept in shared memory, and the buffers they guard (K/V, the tile and its steps the producer names
-for the others, the Q and dO stages, the dS and P stages, the dQ staging halves and the dQ target slots).
+barrier, the Q and dO pipelines, the named barriers (one id per set of threads: the MMA warps' own, met at
+dS ready and at the epilogue's staging; tile done; dQ empty/full per warpgroup), the K/V phase kept in
+shared memory, and the buffers they guard (K/V, the tile and its steps the producer names for the others,
+the Q and dO stages, the dS and P stages, the dQ staging halves and the dQ target slots).
 The producer names one more tile after the last, the end, and the MMA warps name the writer a last target,
 none. Every interleaving is explored (`protocol_model.py`); the check fails on a deadlock, a race (a write
 into a buffer that someone still reads), a stale K/V phase read, or a named barrier left with arrivals at
@@ -123,13 +124,13 @@ def mma_ops(tiles: list[int], proc: int, cfg: Config, flip_after_stores: bool = 
             ops.extend([("wait", f"q_full{read}", phase), ("use_begin", f"Q{read}"),
                         ("wait", f"do_full{read}", phase), ("use_begin", f"DO{read}")])
             if cfg.split_keys:  # dV from registers, dS to shared memory, then dQ and dK
-                ops.extend([("write", f"DS{ds}"), ("nb_sync", "ds_ready"), ("use_begin", f"DS{ds}"),
+                ops.extend([("write", f"DS{ds}"), ("nb_sync", "mma_warps"), ("use_begin", f"DS{ds}"),
                             # warpgroup_wait<1>: dV and dQ done, dK (Q and registers) may still run
                             ("use_end", f"DS{ds}"), ("use_end", f"DO{read}"), ("arrive", f"do_empty{read}")])
                 ops.extend(add_dq_ops(wg, cfg))
                 ops.extend([("use_end", f"Q{read}"), ("arrive", f"q_empty{read}")])
             else:  # P and dS through shared memory; dQ, dV and dK all read them
-                ops.extend([("write", f"P{ds}"), ("write", f"DS{ds}"), ("nb_sync", "ds_ready"),
+                ops.extend([("write", f"P{ds}"), ("write", f"DS{ds}"), ("nb_sync", "mma_warps"),
                             ("use_begin", f"P{ds}"), ("use_begin", f"DS{ds}")])
                 ops.extend(add_dq_ops(wg, cfg))  # after warpgroup_wait<2>: the dQ GEMM done
                 ops.extend([("use_end", f"P{ds}"), ("use_end", f"DS{ds}"), ("use_end", f"DO{read}"),
@@ -144,7 +145,7 @@ def mma_ops(tiles: list[int], proc: int, cfg: Config, flip_after_stores: bool = 
         ops.extend([("use_end", "TILE"), ("nb_sync", "tile_done")])
         if proc == LEADER and not flip_after_stores:
             ops.append(("flip_phase",))
-        ops.extend([("write", "KV"), ("nb_sync", "epilogue")])
+        ops.extend([("write", "KV"), ("nb_sync", "mma_warps")])
         if proc == LEADER:
             ops.extend([("use_begin", "KV"), ("use_end", "KV"), ("arrive", "kv_free")])  # the TMA store's read
             if flip_after_stores:
@@ -177,7 +178,7 @@ def explore(tiles: list[int], cfg: Config, producer=producer_ops, writer=writer_
             arrivals[f"{pipe}_full{s}"] = 1
             arrivals[f"{pipe}_empty{s}"] = len(MMA)
     # Named barriers and their participants: both warpgroups (and the producer), or one warpgroup and the writer.
-    participants = {"ds_ready": 3, "tile_done": 4, "epilogue": 3, "dq_empty0": 3, "dq_full0": 3, "dq_empty1": 2,
+    participants = {"mma_warps": 3, "tile_done": 4, "dq_empty0": 3, "dq_full0": 3, "dq_empty1": 2,
                     "dq_full1": 2}
     return protocol_model.explore(procs, arrivals, participants)
 

@@ -46,7 +46,7 @@ CUTE_DEVICE void bwd_epilogue(const BwdKernelArgs<Traits>& args, typename Traits
   copy(smem_copy, thr_copy.retile_S(rdK), thr_copy.partition_D(sdK));
   copy(smem_copy, thr_copy.retile_S(rdV), thr_copy.partition_D(sdV));
   cutlass::arch::fence_view_async_shared();  // st.shared visible to the TMA engine
-  cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierEpilogue);
+  cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierMmaWarps);
 
   if (tid == 0) {
     Tensor mdK = args.tma_dk.get_tma_tensor(args.shape_kv);

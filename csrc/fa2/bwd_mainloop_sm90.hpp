@@ -615,7 +615,7 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
         auto thr_copy_ds = copy_pds.get_thread_slice(mma_thread_index_afresh());
         copy(copy_pds, thr_copy_ds.retile_S(rdS), thr_copy_ds.partition_D(sdSt)(_, _, _, ds_stage));
         cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierDsReady);
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierMmaWarps);
         wg_gemm<true, -1, false>(mma_dq, tdQrdS_step, tdQrK, tdQrdQ);
         Tensor tdKrdS = make_tensor(rdS.data(), acc_to_a_operand_layout(rdS.layout()));
         wg_gemm<false, -1, true>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);
@@ -636,7 +636,7 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
         auto thr_copy_ds = copy_pds.get_thread_slice(mma_thread_index_afresh());
         copy(copy_pds, thr_copy_ds.retile_S(rdS), thr_copy_ds.partition_D(sdSt)(_, _, _, ds_stage));
         cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierDsReady);
+        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierMmaWarps);
         wg_gemm<true, -1, false>(mma_dq, tdQrdS_step, tdQrK, tdQrdQ);
         auto tdVrPt = thr_dkv.partition_fragment_A(sPt)(_, _, _, ds_stage);
         wg_gemm<false, -1, false>(mma_dkv, tdVrPt, tdVrdO(_, _, _, read.index()), tdVrdV);

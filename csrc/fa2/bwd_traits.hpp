@@ -65,15 +65,19 @@ struct BwdTileConfig<256, kMasked> {
   static constexpr bool kSplitKeys = false, kStagedDq = FA2_BWD_STAGED_DQ_HDIM256;
 };
 
-// Named barrier ids of the backward kernel (CUTLASS's NamedBarrier adds its reserved offset).
+// Named barrier ids of the backward kernel, one per set of threads that meets. CUTLASS's NamedBarrier adds
+// its reserved offset, which leaves 8 of the hardware's 16 ids: an id past them wraps onto barrier 0 (the
+// block-wide one).
 enum BwdBarrier : int {
-  kBwdBarrierDsReady = 0,   // both MMA warpgroups: dS (and P) of this step are in shared memory
-  kBwdBarrierEpilogue = 1,  // both MMA warpgroups: dK/dV staging
+  kBwdBarrierMmaWarps = 0,  // both MMA warpgroups: a step's dS (and P) in shared memory; the epilogue's dK/dV staged
+  kBwdBarrierTileDone = 1,  // both MMA warpgroups and the producer warp: the tile's K, V and name no longer read
   kBwdBarrierDqFull = 2,    // + warpgroup: its dQ partial is staged (warpgroup + dQ writer warp)
   kBwdBarrierDqEmpty = 4,   // + warpgroup: the writer has read the staged partial
   kBwdBarrierDqTurn = 6,    // + warpgroup: deterministic mode, direct dQ adds (one warpgroup)
-  kBwdBarrierTileDone = 8,  // both MMA warpgroups and the producer warp: the tile's K, V and name no longer read
+  kBwdBarrierEnd = 8,
 };
+static_assert(kBwdBarrierEnd + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount <=
+              cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
 
 // Above this many query rows a key tile's loop is long enough that the persistent grid's saved launches
 // no longer pay for its static balance: one CTA per key tile measured 1-3 % faster at 16k (H100, bf16/fp16,
