@@ -5,8 +5,8 @@ grid): the producer warp (`bwd_load`, bwd_mainloop_sm90.hpp), the dQ writer warp
 dQ is staged) and the MMA warpgroups (`bwd_mma`, `add_dq`, `bwd_epilogue`, `finish_dq_writer`), the first
 warpgroup split into its thread 0 (which names each step's dQ target, flips the K/V phase, stores dK/dV and
 frees the K/V buffers) and the rest. Each is a sequence of barrier operations: the K/V barrier and its "free"
-barrier, the Q and dO pipelines, the named barriers (one id per set of threads: the MMA warps' own, met at
-dS ready and at the epilogue's staging; tile done; dQ empty/full per warpgroup), the K/V phase kept in
+barrier, the "tile done" barrier, the Q and dO pipelines, the named barriers (one id per set of threads: the
+MMA warps' own, met at dS ready and in the epilogue; dQ empty/full per warpgroup), the K/V phase kept in
 shared memory, and the buffers they guard (K/V, the tile and its steps the producer names for the others,
 the Q and dO stages, the dS and P stages, the dQ staging halves and the dQ target slots).
 The producer names one more tile after the last, the end, and the MMA warps name the writer a last target,
@@ -70,7 +70,7 @@ def producer_ops(tiles: list[int], early_first_step: bool = True, wait_kv_free: 
         if not publish_after_tile_done:
             ops.append(("write", "TILE"))
         if i > 0:
-            ops.append(("nb_sync", "tile_done"))  # the epilogue's first barrier
+            ops.append(("wait", "tile_done", (i - 1) % 2))  # every MMA thread's arrival in the epilogue
         if publish_after_tile_done:
             ops.append(("write", "TILE"))  # the tile and its steps, for the other roles
         if i > 0 and wait_kv_free:
@@ -81,7 +81,7 @@ def producer_ops(tiles: list[int], early_first_step: bool = True, wait_kv_free: 
         for _ in range(1 if early else 0, steps):
             load_step()
     if tiles:
-        ops.append(("nb_sync", "tile_done"))
+        ops.append(("wait", "tile_done", (len(tiles) - 1) % 2))
     ops.append(("write", "TILE"))  # BwdTile::end()
     if tiles:
         ops.append(("wait", "kv_free", (len(tiles) - 1) % 2))
@@ -140,9 +140,9 @@ def mma_ops(tiles: list[int], proc: int, cfg: Config, flip_after_stores: bool = 
                 read, phase = 0, phase ^ 1
         if steps > 0:
             ops.append(("use_end", "KV"))
-        # The epilogue: dK/dV staged in the K/V buffers between two barriers, the first with the producer
-        # (thread 0 has read the tile's name for the store), stored by thread 0.
-        ops.extend([("use_end", "TILE"), ("nb_sync", "tile_done")])
+        # The epilogue: the tile's name handed back to the producer (thread 0 has read it for the store),
+        # dK/dV staged in the K/V buffers between two barriers, stored by thread 0.
+        ops.extend([("use_end", "TILE"), ("arrive", "tile_done"), ("nb_sync", "mma_warps")])
         if proc == LEADER and not flip_after_stores:
             ops.append(("flip_phase",))
         ops.extend([("write", "KV"), ("nb_sync", "mma_warps")])
@@ -158,7 +158,7 @@ def mma_ops(tiles: list[int], proc: int, cfg: Config, flip_after_stores: bool = 
         if wg == 0:
             if proc == LEADER:
                 ops.append(("write", f"DQT{read % target_slots}"))
-            ops.append(("nb_sync", "dq_full0"))
+            ops.append(("nb_arrive", "dq_full0"))
     return ops
 
 
@@ -172,13 +172,13 @@ def explore(tiles: list[int], cfg: Config, producer=producer_ops, writer=writer_
             ) -> tuple[list[str], int]:
     """(errors, states explored) over every interleaving of the producer, the writer and the MMA processes."""
     procs = [producer(tiles), writer(tiles) if cfg.staged_dq else []] + [mma(tiles, p, cfg) for p in MMA]
-    arrivals = {"kv": 1, "kv_free": 1}
+    arrivals = {"kv": 1, "kv_free": 1, "tile_done": len(MMA)}
     for s in range(STAGES):
         for pipe in ("q", "do"):
             arrivals[f"{pipe}_full{s}"] = 1
             arrivals[f"{pipe}_empty{s}"] = len(MMA)
     # Named barriers and their participants: both warpgroups (and the producer), or one warpgroup and the writer.
-    participants = {"mma_warps": 3, "tile_done": 4, "dq_empty0": 3, "dq_full0": 3, "dq_empty1": 2,
+    participants = {"mma_warps": 3, "dq_empty0": 3, "dq_full0": 3, "dq_empty1": 2,
                     "dq_full1": 2}
     return protocol_model.explore(procs, arrivals, participants)
 

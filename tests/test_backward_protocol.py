@@ -39,7 +39,7 @@ def test_check_finds_the_race_of_next_keys_loaded_before_the_stores_read_k_and_v
 
 @pytest.mark.parametrize("cfg", protocol.KERNEL_CONFIGS, ids=str)
 def test_check_finds_the_race_of_a_tile_named_before_the_last_one_is_done(cfg):
-    """The producer may name the next tile only once the MMA warps are past the epilogue's first barrier."""
+    """The producer may name the next tile only once every MMA thread has handed the last one back."""
     errors, _ = protocol.explore([1, 1], cfg,
                                  producer=lambda tiles: protocol.producer_ops(tiles, publish_after_tile_done=False))
     assert errors and errors[0].startswith("race: a write into TILE"), errors

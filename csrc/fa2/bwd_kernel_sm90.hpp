@@ -17,11 +17,11 @@ using namespace cute;
 
 // dK (scaled here) and dV: converted, staged in the K and V buffers (stmatrix) once both warpgroups are
 // done reading them, and stored with one TMA copy each (rows past Sk clipped by the tensor map); once the
-// stores have read the buffers, barrier_kv_free lets the producer load the next tile's K and V. The first
-// barrier also tells the producer warp, which syncs on it, that the tile's name is no longer read (thread 0
-// has taken the store's coordinates): a barrier every party syncs on, which sanitizers follow, where an
-// order through thread 0's later arrival would be as correct. The MMA warps' next barrier_kv phase flips
-// here too, between two barriers that every MMA thread passes after reading it.
+// stores have read the buffers, barrier_kv_free lets the producer load the next tile's K and V. First every
+// MMA thread tells the producer warp that it no longer reads the tile's name and steps (thread 0 has taken
+// the store's coordinates): an arrival of each reader on barrier_tile_done, a hand-off that sanitizers
+// follow, where an order through thread 0's later arrival would be as correct. The MMA warps' next
+// barrier_kv phase flips here too, between two barriers that every MMA thread passes after reading it.
 template <class Traits, class FragDKV>
 CUTE_DEVICE void bwd_epilogue(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                               FragDKV& tdKrdK, const FragDKV& tdVrdV, const volatile BwdTile& tile) {
@@ -41,7 +41,9 @@ CUTE_DEVICE void bwd_epilogue(const BwdKernelArgs<Traits>& args, typename Traits
   const int tid = mma_thread_index_afresh();
   auto thr_copy = smem_copy.get_thread_slice(tid);
   const int n_block = tile.n_block, head_kv = tile.head_kv, batch = tile.batch;  // (used by thread 0)
-  cutlass::arch::NamedBarrier::sync(T::kTileDoneThreads, kBwdBarrierTileDone);
+  asm volatile("" ::: "memory");  // the reads stay before the arrival (CUTLASS's asm has no clobber)
+  cutlass::arch::ClusterBarrier::arrive(&smem.barrier_tile_done);
+  cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierMmaWarps);
   if (tid == 0) *static_cast<volatile int*>(&smem.kv_phase) ^= 1;
   copy(smem_copy, thr_copy.retile_S(rdK), thr_copy.partition_D(sdK));
   copy(smem_copy, thr_copy.retile_S(rdV), thr_copy.partition_D(sdV));
@@ -89,6 +91,7 @@ bwd_kernel_sm90(CUTE_GRID_CONSTANT const BwdKernelArgs<Traits> args) {
     cute::prefetch_tma_descriptor(args.tma_dv.get_tma_descriptor());
     cutlass::arch::ClusterBarrier::init(&smem.barrier_kv, 1);
     cutlass::arch::ClusterBarrier::init(&smem.barrier_kv_free, 1);  // the epilogue's storing thread
+    cutlass::arch::ClusterBarrier::init(&smem.barrier_tile_done, T::kMmaThreads);
     smem.kv_phase = 0;
   }
 

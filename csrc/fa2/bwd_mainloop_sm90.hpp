@@ -196,7 +196,7 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
   auto write = cutlass::make_producer_start_state<typename T::PipelineQ>();  // Q's and dO's (StepState)
 
   // The tile the other roles run next and its steps: written once the MMA warps are done with the one
-  // before (kBwdBarrierTileDone), published by barrier_kv's arrival (a release; their wait acquires it).
+  // before (barrier_tile_done), published by barrier_kv's arrival (a release; their wait acquires it).
   auto publish = [&](const BwdTile& tile, const BwdSteps& steps) {
     __syncwarp();  // the warp has read the last copy back
     if (leader) {
@@ -213,10 +213,10 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
     }
     __syncwarp();  // the warp reads the published copy back (load_step)
   };
-  // After the first tile: the name once the MMA warps are past the last tile's epilogue barrier, then the
-  // wait for its stores to have read the K/V buffers.
+  // After the first tile: the name once the MMA warps are done with the last one, then the wait for its
+  // stores to have read the K/V buffers.
   auto hand_over = [&](int iteration, const BwdTile& tile, const BwdSteps& steps) {
-    if (iteration > 0) cutlass::arch::NamedBarrier::sync(T::kTileDoneThreads, kBwdBarrierTileDone);
+    if (iteration > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_tile_done, (iteration - 1) % 2);
     publish(tile, steps);
     if (iteration > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv_free, (iteration - 1) % 2);
   };
@@ -352,11 +352,9 @@ CUTE_DEVICE void finish_dq_writer(typename Traits::SharedStorage& smem, const ty
   if (wg == 0) {
     if (tid == 0) {
       static_cast<volatile DqTarget*>(&smem.dq_target[read.index()])->query_tile = -1;
-      asm volatile("" ::: "memory");  // the store stays before the barrier (CUTLASS's asm has no clobber)
+      asm volatile("" ::: "memory");  // the store stays before the arrival (CUTLASS's asm has no clobber)
     }
-    // A sync where an arrival would do (the writer waits there already): racecheck reported the store
-    // before an arrival against the writer's read.
-    cutlass::arch::NamedBarrier::sync(kSyncThreads, kBwdBarrierDqFull);
+    cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqFull);  // as add_dq's: the writer syncs
   }
 }
 

@@ -67,14 +67,15 @@ struct BwdTileConfig<256, kMasked> {
 
 // Named barrier ids of the backward kernel, one per set of threads that meets. CUTLASS's NamedBarrier adds
 // its reserved offset, which leaves 8 of the hardware's 16 ids: an id past them wraps onto barrier 0 (the
-// block-wide one).
+// block-wide one). Where two roles meet, one syncs and the other arrives: bar.sync is an aligned barrier,
+// which every thread reaching it must execute at the same instruction (compute-sanitizer synccheck reports
+// "Divergent thread(s) in block" for two roles' syncs on one barrier).
 enum BwdBarrier : int {
-  kBwdBarrierMmaWarps = 0,  // both MMA warpgroups: a step's dS (and P) in shared memory; the epilogue's dK/dV staged
-  kBwdBarrierTileDone = 1,  // both MMA warpgroups and the producer warp: the tile's K, V and name no longer read
-  kBwdBarrierDqFull = 2,    // + warpgroup: its dQ partial is staged (warpgroup + dQ writer warp)
-  kBwdBarrierDqEmpty = 4,   // + warpgroup: the writer has read the staged partial
-  kBwdBarrierDqTurn = 6,    // + warpgroup: deterministic mode, direct dQ adds (one warpgroup)
-  kBwdBarrierEnd = 8,
+  kBwdBarrierMmaWarps = 0,  // both MMA warpgroups: a step's dS (and P) in shared memory; the epilogue's K/V reuse
+  kBwdBarrierDqFull = 1,    // + warpgroup: its dQ partial is staged (warpgroup + dQ writer warp)
+  kBwdBarrierDqEmpty = 3,   // + warpgroup: the writer has read the staged partial
+  kBwdBarrierDqTurn = 5,    // + warpgroup: deterministic mode, direct dQ adds (one warpgroup)
+  kBwdBarrierEnd = 7,
 };
 static_assert(kBwdBarrierEnd + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount <=
               cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
@@ -120,7 +121,6 @@ struct BwdTraits {
   static constexpr int kMmaWarpgroups = 2;
   static constexpr int kMmaThreads = 128 * kMmaWarpgroups;
   static constexpr int kThreads = 128 + kMmaThreads;  // warpgroup 0: loads and dQ writes
-  static constexpr int kTileDoneThreads = kMmaThreads + 32;  // kBwdBarrierTileDone: with the producer warp
   // setmaxnreg moves registers between the warpgroups: what the MMA warpgroups gain must not exceed
   // what the producer warpgroup gives back from the launch allocation (else setmaxnreg.inc waits forever).
   static constexpr int kProducerRegs = 24;
@@ -226,6 +226,7 @@ struct BwdTraits {
     typename PipelineDO::SharedStorage pipe_do;
     alignas(8) uint64_t barrier_kv;       // K and V of the tile have landed (and `tile` names it)
     alignas(8) uint64_t barrier_kv_free;  // the tile's dK/dV stores have read the K and V buffers
+    alignas(8) uint64_t barrier_tile_done;  // every MMA thread is done with the tile's name and steps
     int kv_phase;                         // the barrier_kv phase the MMA warps wait for next
     BwdTile tile;                         // the producer's current tile (BwdTile::end(): no more)
     BwdSteps steps;                       // and its steps
