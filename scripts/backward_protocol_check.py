@@ -153,11 +153,11 @@ def mma_ops(tiles: list[int], proc: int, cfg: Config, flip_after_stores: bool = 
     n = len(tiles)
     ops.extend([("read_phase", n % 2), ("wait", "kv", n % 2), ("use_begin", "TILE"), ("use_end", "TILE")])
     if cfg.staged_dq:  # finish_dq_writer
+        if proc == LEADER:
+            ops.append(("write", f"DQT{read % target_slots}"))
         if take_last_hand_back:
             ops.append(("nb_sync", f"dq_empty{wg}"))
         if wg == 0:
-            if proc == LEADER:
-                ops.append(("write", f"DQT{read % target_slots}"))
             ops.append(("nb_arrive", "dq_full0"))
     return ops
 

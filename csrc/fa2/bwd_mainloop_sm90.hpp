@@ -340,22 +340,21 @@ CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Trait
   if (leader) bulk_wait_complete();
 }
 
-// The MMA warps after their last tile (kStagedDq): each warpgroup takes the writer's last hand-back (or,
-// without any partial, the empty staging it started with), then the first names no query tile in the slot
-// of the Q stage a next step would have had.
+// The MMA warps after their last tile (kStagedDq): the first names no query tile in the slot of the Q stage
+// a next step would have had, before its sync on the last hand-back as a step names its target (racecheck
+// follows a store before a sync, not one before an arrival); each warpgroup takes the writer's last
+// hand-back (or, without any partial, the empty staging it started with), and the first wakes the writer.
 template <class Traits>
 CUTE_DEVICE void finish_dq_writer(typename Traits::SharedStorage& smem, const typename Traits::StepState& read,
                                   int tid) {
   constexpr int kSyncThreads = 128 + 32;
   const int wg = tid / 128;
-  warpgroup_barrier_sync<kBwdBarrierDqEmpty>(wg, kSyncThreads);
-  if (wg == 0) {
-    if (tid == 0) {
-      static_cast<volatile DqTarget*>(&smem.dq_target[read.index()])->query_tile = -1;
-      asm volatile("" ::: "memory");  // the store stays before the arrival (CUTLASS's asm has no clobber)
-    }
-    cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqFull);  // as add_dq's: the writer syncs
+  if (tid == 0) {
+    static_cast<volatile DqTarget*>(&smem.dq_target[read.index()])->query_tile = -1;
+    asm volatile("" ::: "memory");  // the store stays before the barrier (CUTLASS's asm has no clobber)
   }
+  warpgroup_barrier_sync<kBwdBarrierDqEmpty>(wg, kSyncThreads);
+  if (wg == 0) cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqFull);  // as add_dq's
 }
 
 // ---------------------------------------------------------------------------------------------
