@@ -67,9 +67,8 @@ struct BwdTileConfig<256, kMasked> {
 
 // Named barrier ids of the backward kernel, one per set of threads that meets. CUTLASS's NamedBarrier adds
 // its reserved offset, which leaves 8 of the hardware's 16 ids: an id past them wraps onto barrier 0 (the
-// block-wide one). Where two roles meet, one syncs and the other arrives: bar.sync is an aligned barrier,
-// which every thread reaching it must execute at the same instruction (compute-sanitizer synccheck reports
-// "Divergent thread(s) in block" for two roles' syncs on one barrier).
+// block-wide one). Where two roles meet, one syncs and the other arrives: bar.sync is PTX's aligned barrier,
+// and compute-sanitizer synccheck reports two roles' syncs on one as "Divergent thread(s) in block".
 enum BwdBarrier : int {
   kBwdBarrierMmaWarps = 0,  // both MMA warpgroups: a step's dS (and P) in shared memory; the epilogue's K/V reuse
   kBwdBarrierDqFull = 1,    // + warpgroup: its dQ partial is staged (warpgroup + dQ writer warp)
@@ -224,13 +223,13 @@ struct BwdTraits {
     cute::array_aligned<float, kBlockM * kStagesDO, 128> dsum;
     typename PipelineQ::SharedStorage pipe_q;
     typename PipelineDO::SharedStorage pipe_do;
-    alignas(8) uint64_t barrier_kv;       // K and V of the tile have landed (and `tile` names it)
-    alignas(8) uint64_t barrier_kv_free;  // the tile's dK/dV stores have read the K and V buffers
+    alignas(8) uint64_t barrier_kv;         // K and V of the tile have landed (and `tile` names it)
+    alignas(8) uint64_t barrier_kv_free;    // the tile's dK/dV stores have read the K and V buffers
     alignas(8) uint64_t barrier_tile_done;  // every MMA thread is done with the tile's name and steps
-    int kv_phase;                         // the barrier_kv phase the MMA warps wait for next
-    BwdTile tile;                         // the producer's current tile (BwdTile::end(): no more)
-    BwdSteps steps;                       // and its steps
-    DqTarget dq_target[kStagesQ];         // kStagedDq: where a step's partial goes, per Q stage (< 0: no more)
+    int kv_phase;                           // the barrier_kv phase the MMA warps wait for next
+    BwdTile tile;                           // the producer's current tile (BwdTile::end(): no more)
+    BwdSteps steps;                         // and its steps
+    DqTarget dq_target[kStagesQ];           // kStagedDq: where a step's partial goes, per Q stage (< 0: no more)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= kSmemCapacityBytes, "tile config exceeds shared memory");
