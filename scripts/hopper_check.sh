@@ -30,9 +30,11 @@
 #   zoo         python -m fa2_inductor.bench_e2e --zoo --json zoo.json (real model shapes with attention_mask)
 #   suite       the README's tests (python -m pytest -q tests, one process: the hang guard follows one) with the same per-test cut -> suite.log
 #   demo        python -m fa2_inductor.demo -> demo.log
-#   ncu         Nsight Compute on forward cells beside cuDNN (scripts/attention_cell.py): NCU_CELLS, default
-#               "64:512:causal 64:2048:causal 128:1024:causal 192:2048:full" (head dim:seqlen:causal or full)
-#               -> ncu_d<D>_s<S>_<causal|full>.txt (speed of light, memory, warp states, scheduler, occupancy)
+#   ncu         Nsight Compute on cells beside cuDNN (scripts/attention_cell.py): NCU_CELLS, default
+#               "64:512:causal 64:2048:causal 128:1024:causal 192:2048:full 128:2048:full:backward" (head
+#               dim:seqlen:causal or full, then :backward for the main backward kernels instead of the forward's)
+#               -> ncu_d<D>_s<S>_<causal|full>[_backward].txt (speed of light, memory, warp states, scheduler,
+#               occupancy)
 #   report      results.md from this folder's JSON (python -m fa2_inductor.bench.results)
 # Every stage's status, exit code and wall time go to summary.md and summary.json; a failing stage never
 # stops the run. To update docs/results.md, copy the JSON files into docs/measurements/ and regenerate
@@ -253,16 +255,20 @@ stage_e2e_train() { stage_e2e_run e2e_train --phases train train_padded; }
 stage_ncu() {
   local ncu; ncu=$(command -v ncu || echo "${CUDA_HOME:-/usr/local/cuda}/bin/ncu")
   if [[ ! -x $ncu ]]; then RESULT="ncu not found (Nsight Compute comes with the CUDA toolkit, in its bin/)"; return 1; fi
-  local cell head_dim seqlen mode rc=0 done=0
-  for cell in ${NCU_CELLS:-64:512:causal 64:2048:causal 128:1024:causal 192:2048:full}; do
-    IFS=: read -r head_dim seqlen mode <<< "$cell"
+  local cell head_dim seqlen mode direction kernels name rc=0 done=0
+  for cell in ${NCU_CELLS:-64:512:causal 64:2048:causal 128:1024:causal 192:2048:full 128:2048:full:backward}; do
+    IFS=: read -r head_dim seqlen mode direction <<< "$cell"
     local -a flags=(--head-dim "$head_dim" --seqlen "$seqlen")
     [[ $mode == causal ]] && flags+=(--causal)
+    kernels='fwd_kernel|fprop' name="ncu_d${head_dim}_s${seqlen}_$mode"
+    if [[ $direction == backward ]]; then
+      flags+=(--backward) kernels='bwd_kernel_sm90|bprop' name+=_backward
+    fi
     # Our last two calls of four and cuDNN's first two; unlocked clocks, as the benchmark runs.
-    limited "$ncu" --clock-control none --kernel-name regex:'fwd_kernel|fprop' --launch-skip 2 --launch-count 4 \
+    limited "$ncu" --clock-control none --kernel-name regex:"$kernels" --launch-skip 2 --launch-count 4 \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
-      "$PY" scripts/attention_cell.py "${flags[@]}" > "$RESULTS/ncu_d${head_dim}_s${seqlen}_$mode.txt" 2>&1 \
+      "$PY" scripts/attention_cell.py "${flags[@]}" > "$RESULTS/$name.txt" 2>&1 \
       && done=$((done + 1)) || rc=$?
   done
   RESULT="$done cells profiled (ncu_*.txt)"

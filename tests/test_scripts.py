@@ -56,13 +56,14 @@ def test_hopper_check_writes_its_summary_where_there_is_no_gpu(tmp_path):
 
 def test_ncu_stage_profiles_each_cell_with_its_flags(tmp_path):
     """The ncu stage's plumbing, with a stand-in `ncu` that prints its arguments: one report per cell of
-    NCU_CELLS, the cell's flags passed to scripts/attention_cell.py, and the count in the summary."""
+    NCU_CELLS, the cell's flags passed to scripts/attention_cell.py (a backward cell's kernels are the
+    backward's), and the count in the summary."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "ncu"
     fake.write_text('#!/usr/bin/env bash\necho "ncu $*"\n')
     fake.chmod(0o755)
-    env = {**os.environ, "STAGES": "ncu", "PYTHON": sys.executable, "NCU_CELLS": "64:512:causal 192:2048:full",
+    env = {**os.environ, "STAGES": "ncu", "PYTHON": sys.executable, "NCU_CELLS": "64:512:causal 192:2048:full 128:2048:full:backward",
            "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     result = subprocess.run(["bash", str(ROOT / "scripts" / "hopper_check.sh"), str(tmp_path / "results")],
                             env=env, capture_output=True, text=True, timeout=120)
@@ -73,8 +74,12 @@ def test_ncu_stage_profiles_each_cell_with_its_flags(tmp_path):
     assert "--launch-skip 2 --launch-count 4" in causal
     assert causal.rstrip().endswith("scripts/attention_cell.py --head-dim 64 --seqlen 512 --causal")
     assert full.rstrip().endswith("scripts/attention_cell.py --head-dim 192 --seqlen 2048")
+    assert "regex:fwd_kernel|fprop" in causal
+    backward = (results / "ncu_d128_s2048_full_backward.txt").read_text()
+    assert "regex:bwd_kernel_sm90|bprop" in backward
+    assert backward.rstrip().endswith("scripts/attention_cell.py --head-dim 128 --seqlen 2048 --backward")
     (stage,) = json.loads((results / "summary.json").read_text())["stages"]
-    assert stage["status"] == "ok" and stage["result"] == "2 cells profiled (ncu_*.txt)"
+    assert stage["status"] == "ok" and stage["result"] == "3 cells profiled (ncu_*.txt)"
 
 
 def test_attention_cell_needs_a_gpu_and_says_so():
@@ -83,7 +88,7 @@ def test_attention_cell_needs_a_gpu_and_says_so():
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the script would run the kernels")
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "attention_cell.py"), "--head-dim", "64",
-                             "--seqlen", "512", "--causal"], capture_output=True, text=True, timeout=120,
+                             "--seqlen", "512", "--causal", "--backward"], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 2, result.stderr
     assert result.stdout.strip() == "attention_cell.py needs a CUDA GPU (it runs the kernels to be profiled)"
