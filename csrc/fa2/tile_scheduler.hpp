@@ -88,20 +88,19 @@ struct BwdTile {
 
 // The backward's key tiles: one per (key tile, kv head, batch), in slots numbered with the key tiles of one
 // (batch, kv head) next to each other. A persistent launch (one CTA per SM) under causal positions or a mask
-// pairs a (batch, kv head)'s key tiles j and N-1-j into one slot, heavy then light: under causal positions
-// the pair costs about the same whatever j is, and under a mask it evens out what a slot costs. Unmasked
-// tiles of equal cost stay single: paired, non-causal backward calls of 512 tokens ran at 0.86-0.88x one
-// CTA per tile (H100; perhaps as the CTAs running together read the queries of twice as many heads).
-// Its CTAs take slots dynamically: the first is blockIdx.x, each next one the lowest slot no CTA has taken
-// yet (a counter the preprocess zeroes, BwdKernelArgs::tile_counter), so a CTA whose slots were cheap (keys
-// a mask hides, a short sequence of a padded batch) takes more. A static stride (CTA c: slots c, c + 132, ...) put the busiest SM at 1.08-1.32x
-// the mean on the masked training cells (scripts/backward_balance_model.py); taking slots dynamically gives
-// 1.03-1.09x there. The next tile's first Q and dO loads overlap the current tile's epilogue, and the
-// launch and set-up are paid once per SM. Otherwise (deterministic calls, long query sequences) each CTA
-// runs the tile blockIdx.x alone, in tile order: the hardware hands the next tile to the SM that frees up,
-// and a deterministic turn only waits for tiles of CTAs launched before (dq_turn).
-// Only the producer warp walks (warp-uniform, its fields in uniform registers where they can be); the
-// counter is read after the kernel before has finished (pdl.hpp), since that kernel zeroes it.
+// pairs a (batch, kv head)'s key tiles j and N-1-j into one slot, heavy then light: under causal positions the
+// pair costs about the same whatever j is, and under a mask it evens out what a slot costs. Unmasked tiles of
+// equal cost stay single: paired, non-causal backward calls of 512 tokens ran at 0.86-0.88x one CTA per tile
+// (H100; perhaps as the CTAs running together read the queries of twice as many heads). Its CTAs take slots
+// dynamically: the first is blockIdx.x, each next one the lowest slot no CTA has taken yet (a counter the
+// preprocess zeroes, BwdKernelArgs::tile_counter), so a CTA whose slots were cheap (keys a mask hides, a short
+// sequence of a padded batch) takes more; a static stride balanced masked calls worse (docs/backward.md,
+// "Persistent grid"). The next tile's first Q and dO loads overlap the current tile's epilogue, and the launch
+// and set-up are paid once per SM. Otherwise (deterministic calls, long query sequences) each CTA runs the tile
+// blockIdx.x alone, in tile order: the hardware hands the next tile to the SM that frees up, and a deterministic
+// turn only waits for tiles of CTAs launched before (dq_turn). Only the producer warp walks (warp-uniform, its
+// fields in uniform registers where they can be); the counter is read after the kernel before has finished
+// (pdl.hpp), since that kernel zeroes it.
 template <class Args>
 struct BwdTileWalk {
   int slot;      // this CTA's slot; args.slots and above: the walk has ended
