@@ -62,38 +62,32 @@ __global__ void mbarrier_hand_off(int* out) {
   }
 }
 
-// PTX's producer/consumer example: a store, then bar.arrive; the consumer's bar.sync, then the load.
-// racecheck reports it (it orders a thread's stores before its syncs, not before its arrivals); synccheck
-// does not.
-__global__ void arrive_then_sync(int* out) {
+// A named-barrier hand-off: warp 1's lane 32 stores a value and meets warp 0 on barrier 2, warp 0 reads it
+// and meets warp 1 on barrier 3 before the next store. The writer arrives (kWriterSyncs false: PTX's
+// producer/consumer example, store then bar.arrive, bar.sync then load): racecheck reports it (it orders a
+// thread's stores before its syncs, not before its arrivals), synccheck does not. The writer syncs (true),
+// each role in its own branch: racecheck follows it, synccheck reports "Divergent thread(s) in block"
+// (bar.sync is PTX's aligned barrier, which the threads meeting on it must reach on the same path).
+template <bool kWriterSyncs>
+__global__ void named_hand_off(int* out) {
   __shared__ int slot;
   for (int round = 0; round < 4; ++round) {
     if (threadIdx.x / 32 == 1) {
       if (threadIdx.x == 32) slot = round + 7;
-      named_arrive(2, 64);
+      if (kWriterSyncs) {
+        named_sync(2, 64);
+      } else {
+        named_arrive(2, 64);
+      }
       named_sync(3, 64);
     } else {
       named_sync(2, 64);
       out[round * 32 + threadIdx.x] = slot;
-      named_arrive(3, 64);
-    }
-  }
-}
-
-// The same hand-off with bar.sync on both sides, each role in its own branch: racecheck follows it,
-// synccheck reports "Divergent thread(s) in block" (bar.sync is PTX's aligned barrier, which the threads
-// meeting on it must reach on the same path; with bar.arrive on one side, as above, it reports nothing).
-__global__ void sync_in_two_roles(int* out) {
-  __shared__ int slot;
-  for (int round = 0; round < 4; ++round) {
-    if (threadIdx.x / 32 == 1) {
-      if (threadIdx.x == 32) slot = round + 7;
-      named_sync(2, 64);
-      named_sync(3, 64);
-    } else {
-      named_sync(2, 64);
-      out[round * 32 + threadIdx.x] = slot;
-      named_sync(3, 64);
+      if (kWriterSyncs) {
+        named_sync(3, 64);
+      } else {
+        named_arrive(3, 64);
+      }
     }
   }
 }
@@ -103,8 +97,8 @@ int main() {
   cudaMalloc(&out, 4096);
   mbarrier_hand_off<false><<<1, 64>>>(out);
   mbarrier_hand_off<true><<<1, 96>>>(out);
-  arrive_then_sync<<<1, 64>>>(out);
-  sync_in_two_roles<<<1, 64>>>(out);
+  named_hand_off<false><<<1, 64>>>(out);
+  named_hand_off<true><<<1, 64>>>(out);
   printf("%s\n", cudaGetErrorString(cudaDeviceSynchronize()));
   return 0;
 }

@@ -294,8 +294,8 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
 // with a bulk reduction, then hands the staging buffer back. It follows the MMA warps' partials, not the
 // tiles: the first warpgroup names each partial's query tile (and deterministic turn) in smem.dq_target (a
 // slot per Q stage, in the order of the steps), and a negative query tile once the CTA has no more; the MMA
-// warps take the last hand-backs before that (finish_dq_writer). Deterministic mode: waits for its turn on the query tile's counter first, and passes
-// the turn on once the reductions have completed.
+// warps take the last hand-backs before that (finish_dq_writer). Deterministic mode: waits for its turn on
+// the query tile's counter first, and passes the turn on once the reductions have completed.
 template <class Traits>
 CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem) {
   using T = Traits;
