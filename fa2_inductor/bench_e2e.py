@@ -101,7 +101,7 @@ class Result:
     loss_diff: Optional[float] = None  # training: |Δloss|
     grad_rel_diff: Optional[float] = None  # training: max over checked_gradients() of max|Δgrad| / max|grad|
     profile_wall_ms: Optional[float] = None  # --profile: one more call under the profiler, start to end
-    profile_device_ms: Optional[float] = None  # --profile: that call's kernels, device time summed
+    profile_device_ms: Optional[float] = None  # --profile: the time the GPU was busy with that call's kernels
     error: Optional[str] = None
 
 
@@ -403,7 +403,7 @@ def format_table(results: list[Result]) -> str:
         base = next((r.median_ms for r in rows if r.variant == BASELINE and r.median_ms), None)
         columns = _checked_columns(phase)
         if any(r.profile_wall_ms is not None for r in rows):
-            columns.update({"profiled ms": "profile_wall_ms", "kernels ms": "profile_device_ms"})
+            columns.update({"profiled ms": "profile_wall_ms", "GPU busy ms": "profile_device_ms"})
         lines.append(f"\n{phase}: {_phase_title(phase, seqlen)}")
         lines.append(f"{'variant':<28}{'ms':>10}{'vs ' + BASELINE:>22}{'rewrites':>10}"
                      + "".join(f"{header:>15}" for header in columns))
@@ -433,9 +433,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=Path("bench_e2e.json"))
     parser.add_argument(
         "--profile", type=Path, metavar="TXT",
-        help="after the timing, one more call of every variant (zoo: backend) under torch.profiler: its wall and "
-             "kernel time in the table and JSON, the profiler's table of its busiest kernels in TXT (not for "
-             "generate, whose decode steps run as CUDA graphs)"
+        help="after the timing, one more call of every variant (zoo: backend) under torch.profiler: its wall time "
+             "and the time the GPU was busy with its kernels in the table and JSON, the profiler's table of its "
+             "busiest kernels in TXT (not for generate, whose decode steps run as CUDA graphs)"
     )
     parser.add_argument("--tiny", action="store_true", help="2-layer float32 model on CPU (for tests)")
     zoo.add_arguments(parser)

@@ -785,3 +785,21 @@ def test_a_documents_build_names_the_head_dims_with_kernels_of_their_own():
     assert "kernels for" not in results.measured_on(env, "x.json")
     env["git_dirty"] = True  # measured on a tree the commit does not name
     assert "at commit 8e4df8f718 with uncommitted changes;" in results.measured_on(env, "x.json")
+
+
+def test_busy_time_is_the_union_of_the_kernels_intervals_not_their_sum():
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from fa2_inductor.bench.profiling import busy_ms
+
+    def kernel(start_us, end_us):
+        return FunctionEvent(id=0, name="k", thread=0, start_us=start_us, end_us=end_us,
+                             device_type=DeviceType.CUDA).time_range
+
+    # A preprocess, a main kernel launched as its dependent (starts 12 us before it ends) and a conversion
+    # launched during the main kernel (waits inside it), then a gap and a kernel of 5 us.
+    intervals = [kernel(1240, 1380), kernel(0, 100), kernel(88, 1320), kernel(1500, 1505)]
+    assert busy_ms(intervals) == pytest.approx(1.385)
+    assert busy_ms([kernel(10, 20), kernel(12, 15)]) == pytest.approx(0.010)  # one inside another
+    assert busy_ms([]) == 0.0

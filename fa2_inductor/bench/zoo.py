@@ -58,7 +58,7 @@ class Run:
     max_abs_diff: Optional[float] = None
     counters: dict = field(default_factory=dict)
     profile_wall_ms: Optional[float] = None  # --profile: one more call under the profiler, start to end
-    profile_device_ms: Optional[float] = None  # --profile: that call's kernels, device time summed
+    profile_device_ms: Optional[float] = None  # --profile: the time the GPU was busy with that call's kernels
     error: Optional[str] = None
 
 
