@@ -1229,11 +1229,14 @@ struct FlashAttentionAutograd : public torch::autograd::Function<FlashAttentionA
     ctx->saved_data["window_left"] = window_left;
     ctx->saved_data["softcap"] = softcap;
     ctx->mark_non_differentiable({lse});
+    ctx->set_materialize_grads(false);  // no zero-filled gradient for the LSE (a kernel launch per backward)
     return {out, lse};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    const at::Tensor none;
+    if (!grads[0].defined()) return torch::autograd::variable_list(10, none);  // the output's gradient is zero
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     const std::optional<at::Tensor> mask = saved[5].defined() ? std::optional<at::Tensor>(saved[5]) : std::nullopt;
@@ -1247,7 +1250,6 @@ struct FlashAttentionAutograd : public torch::autograd::Function<FlashAttentionA
                       ctx->saved_data["softcap"].toDouble(), sinks);
     // One gradient per forward argument: q, k, v, attn_mask, scale, is_causal, window_left, empty_rows,
     // softcap, sinks.
-    const at::Tensor none;
     return {dq, dk, dv, mask_grad ? dmask : none, none, none, none, none, none, sinks_grad ? dsinks : none};
   }
 };
