@@ -290,6 +290,8 @@ CUTE_DEVICE void bwd_load(const BwdKernelArgs<Traits>& args, typename Traits::Sh
 }
 
 // ---------------------------------------------------------------------------------------------
+constexpr int kDqHandoffThreads = 128 + 32;  // the named barriers of a hand-off: one MMA warpgroup + the writer
+
 // dQ writer (kStagedDq): one warp adds each warpgroup's staged dQ partial to the float32 accumulator
 // with a bulk reduction, then hands the staging buffer back. It follows the MMA warps' partials, not the
 // tiles: the first warpgroup names each partial's query tile (and deterministic turn) in smem.dq_target (a
@@ -300,16 +302,15 @@ template <class Traits>
 CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem) {
   using T = Traits;
   constexpr int kHalf = T::kDqFloats / 2;  // one warpgroup's part of a tile's partial
-  constexpr int kSyncThreads = 128 + 32;
   const bool leader = threadIdx.x % 32 == 0;
   wait_for_prior_grid();  // the accumulator and turn counters the preprocess zeroed
   CUTE_UNROLL
   for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
-    cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);  // staging starts empty
+    cutlass::arch::NamedBarrier::arrive(kDqHandoffThreads, kBwdBarrierDqEmpty + wg);  // staging starts empty
   }
 #pragma unroll 1  // one partial's bookkeeping at a time
   for (int slot = 0;; slot = (slot + 1) % T::kStagesQ) {  // the MMA warps' Q stage of the partial's step
-    cutlass::arch::NamedBarrier::sync(kSyncThreads, kBwdBarrierDqFull);
+    cutlass::arch::NamedBarrier::sync(kDqHandoffThreads, kBwdBarrierDqFull);
     const volatile DqTarget* named = &smem.dq_target[slot];
     const DqTarget target{named->query_tile, named->turn};
     if (target.query_tile < 0) break;
@@ -321,14 +322,14 @@ CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Trait
     __syncwarp();  // the whole warp meets the named barriers
     CUTE_UNROLL
     for (int wg = 0; wg < T::kMmaWarpgroups; ++wg) {
-      if (wg > 0) cutlass::arch::NamedBarrier::sync(kSyncThreads, kBwdBarrierDqFull + wg);
+      if (wg > 0) cutlass::arch::NamedBarrier::sync(kDqHandoffThreads, kBwdBarrierDqFull + wg);
       if (leader) {
         bulk_reduce_add(accum + wg * kHalf, smem.dq.data() + wg * kHalf, kHalf * int(sizeof(float)));
         tma_store_arrive();
         tma_store_wait<0>();  // the staging buffer has been read
       }
       __syncwarp();
-      cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqEmpty + wg);
+      cutlass::arch::NamedBarrier::arrive(kDqHandoffThreads, kBwdBarrierDqEmpty + wg);
     }
     if (args.deterministic && leader) {
       bulk_wait_complete();
@@ -347,14 +348,13 @@ CUTE_DEVICE void bwd_dq_writer(const BwdKernelArgs<Traits>& args, typename Trait
 template <class Traits>
 CUTE_DEVICE void finish_dq_writer(typename Traits::SharedStorage& smem, const typename Traits::StepState& read,
                                   int tid) {
-  constexpr int kSyncThreads = 128 + 32;
   const int wg = tid / 128;
   if (tid == 0) {
     static_cast<volatile DqTarget*>(&smem.dq_target[read.index()])->query_tile = -1;
     asm volatile("" ::: "memory");  // the store stays before the barrier (CUTLASS's asm has no clobber)
   }
-  warpgroup_barrier_sync<kBwdBarrierDqEmpty>(wg, kSyncThreads);
-  if (wg == 0) cutlass::arch::NamedBarrier::arrive(kSyncThreads, kBwdBarrierDqFull);  // as add_dq's
+  warpgroup_barrier_sync<kBwdBarrierDqEmpty>(wg, kDqHandoffThreads);
+  if (wg == 0) cutlass::arch::NamedBarrier::arrive(kDqHandoffThreads, kBwdBarrierDqFull);  // as publish_dq's
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -423,27 +423,56 @@ CUTE_DEVICE void probabilities(const BwdKernelArgs<Traits>& args, TensorS& tSrS,
   }
 }
 
-// dS = P * (dP - D) on the dP^T fragment, in place. dsum: this query tile's D rows. Soft-capped scores
-// x = cap * tanh(scale * s / cap) also carry dx/ds = scale * (1 - tanh^2) (the scale is applied later, as
-// without soft-capping); tanh comes back from P itself, log2 P + LSE = x * log2 e, so no fragment has to
-// live from the S GEMM to here (P = 0, masked or past the row's end, gives 0 either way).
-template <class Traits, class TensorDP, class TensorP, class TensorC>
+// The values of a per-query shared-memory row (`rows`, one per query of the tile) at the query columns of
+// this thread's S^T / dP^T fragment, into registers.
+template <class TensorC>
+CUTE_DEVICE auto query_column_values(const TensorC& tScS, const float* rows) {
+  Tensor c_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
+  cute::array<float, decltype(size<1>(c_rc))::value> columns;
+  CUTE_UNROLL
+  for (int c = 0; c < size<1>(c_rc); ++c) columns[c] = rows[get<1>(c_rc(0, c))];
+  return columns;
+}
+
+// A per-query value at column c (query `query`) of the fragment: from query_column_values' registers, or
+// straight from the shared-memory row.
+template <class Columns>
+CUTE_DEVICE float column_value(const Columns& columns, int c, int) { return columns[c]; }
+CUTE_DEVICE float column_value(const float* rows, int, int query) { return rows[query]; }
+
+// dS = P * (dP - D) on the dP^T fragment, in place. dsum: D at the fragment's query columns
+// (query_column_values), or its shared-memory row. Soft-capped scores x = cap * tanh(scale * s / cap) also
+// carry dx/ds = scale * (1 - tanh^2) (the scale is applied later, as without soft-capping); tanh comes back
+// from P itself, log2 P + LSE = x * log2 e, so no fragment has to live from the S GEMM to here (P = 0, masked
+// or past the row's end, gives 0 either way).
+template <class Traits, class TensorDP, class TensorP, class TensorC, class Columns>
 CUTE_DEVICE void score_gradients(const BwdKernelArgs<Traits>& args, TensorDP& tdPrdP, const TensorP& tSrP,
-                                 const TensorC& tScS, const float* dsum, const float* lse) {
+                                 const TensorC& tScS, const Columns& dsum, const float* lse) {
+  Tensor dp_rc = make_tensor(tdPrdP.data(), acc_rowcol_layout(tdPrdP.layout()));
+  Tensor p_rc = make_tensor(tSrP.data(), acc_rowcol_layout(tSrP.layout()));
+  Tensor c_rc = make_tensor(tScS.data(), acc_rowcol_layout(tScS.layout()));
   if constexpr (Traits::kMask != MaskKind::kAdditive) {
     if (args.softcap_in != 0.f) {
       CUTE_UNROLL
-      for (int i = 0; i < size(tdPrdP); ++i) {
-        const float p = tSrP(i);
-        const float t = (__log2f(p) + lse[get<1>(tScS(i))]) * args.softcap_tanh_per_log2;
-        const float slope = p > 0.f ? 1.f - fminf(t * t, 1.f) : 0.f;
-        tdPrdP(i) = p * (tdPrdP(i) - dsum[get<1>(tScS(i))]) * slope;
+      for (int r = 0; r < size<0>(dp_rc); ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(dp_rc); ++c) {
+          const float p = p_rc(r, c);
+          const float t = (__log2f(p) + lse[get<1>(c_rc(r, c))]) * args.softcap_tanh_per_log2;
+          const float slope = p > 0.f ? 1.f - fminf(t * t, 1.f) : 0.f;
+          dp_rc(r, c) = p * (dp_rc(r, c) - column_value(dsum, c, get<1>(c_rc(r, c)))) * slope;
+        }
       }
       return;
     }
   }
   CUTE_UNROLL
-  for (int i = 0; i < size(tdPrdP); ++i) tdPrdP(i) = tSrP(i) * (tdPrdP(i) - dsum[get<1>(tScS(i))]);
+  for (int r = 0; r < size<0>(dp_rc); ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(dp_rc); ++c) {
+      dp_rc(r, c) = p_rc(r, c) * (dp_rc(r, c) - column_value(dsum, c, get<1>(c_rc(r, c))));
+    }
+  }
 }
 
 // The query tile a step's dQ partial adds into (its entry of the tile's schedule) and, deterministic, its
@@ -464,7 +493,8 @@ CUTE_DEVICE int mma_thread_index_afresh() {
   return thread - 128;
 }
 
-// Adds this warpgroup's dQ partial (a dQ-MMA fragment) of the step `entry` of `tile`.
+// Adds this warpgroup's dQ partial (a dQ-MMA fragment) of the step `entry` of `tile`; staged, it is added
+// once publish_dq hands it to the dQ writer.
 template <class Traits, class FragDQ>
 CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::SharedStorage& smem,
                         const FragDQ& tdQrdQ, int tid, const volatile BwdTile& tile, int entry) {
@@ -473,16 +503,13 @@ CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::Shar
   const int t = tid % 128;
   static_assert(decltype(size(tdQrdQ))::value == T::kDqFloatsPerThread);
   if constexpr (T::kStagedDq) {
-    constexpr int kSyncThreads = 128 + 32;
-    warpgroup_barrier_sync<kBwdBarrierDqEmpty>(wg, kSyncThreads);
+    warpgroup_barrier_sync<kBwdBarrierDqEmpty>(wg, kDqHandoffThreads);
     float* stage = smem.dq.data();
     CUTE_UNROLL
     for (int i = 0; i < T::kDqFloatsPerThread; i += 4) {
       *reinterpret_cast<float4*>(stage + dq_fragment_offset<T>(tid, i)) =
           make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
     }
-    cutlass::arch::fence_view_async_shared();  // st.shared visible to the bulk reduction
-    warpgroup_barrier_arrive<kBwdBarrierDqFull>(wg, kSyncThreads);
   } else {
     const DqTarget target = dq_target<T>(args, tile, entry);
     float* accum = args.dq_accum + int64_t(target.query_tile) * T::kDqFloats;
@@ -504,6 +531,15 @@ CUTE_DEVICE void add_dq(const BwdKernelArgs<Traits>& args, typename Traits::Shar
       }
       __syncwarp();
     }
+  }
+}
+
+// Hands this warpgroup's staged dQ partial (add_dq's stores) to the dQ writer warp.
+template <class Traits>
+CUTE_DEVICE void publish_dq(int tid) {
+  if constexpr (Traits::kStagedDq) {
+    cutlass::arch::fence_view_async_shared();  // st.shared visible to the bulk reduction
+    warpgroup_barrier_arrive<kBwdBarrierDqFull>(tid / 128, kDqHandoffThreads);
   }
 }
 
@@ -587,10 +623,15 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
       warpgroup_fence_operand(tSrS);
       probabilities<T>(args, tSrS, tScS, smem.lse.data() + read.index() * T::kBlockM, entry, m_block, tile.n_block,
                        head, tile.batch);
+      // D read while the dP GEMM runs keeps the shared-memory latency off the path after its wait (with the
+      // 128-query tiles of D=64 the 32 registers it holds there spill: read after it).
+      const float* dsum_rows = smem.dsum.data() + read.index() * T::kBlockM;
+      const auto dsum = [&] {
+        if constexpr (T::kBlockM == 64) return query_column_values(tScS, dsum_rows); else return dsum_rows;
+      }();
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdPrdP);
-      score_gradients<T>(args, tdPrdP, tSrS, tScS, smem.dsum.data() + read.index() * T::kBlockM,
-                         smem.lse.data() + read.index() * T::kBlockM);
+      score_gradients<T>(args, tdPrdP, tSrS, tScS, dsum, smem.lse.data() + read.index() * T::kBlockM);
       if constexpr (T::kMask == MaskKind::kAdditive) {
         if (args.mask.dmask != nullptr) {
           add_mask_gradient(args.mask, tdPrdP, tScS, tile.batch, head, m0, tile.n_block * T::kBlockN,
@@ -621,6 +662,9 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
         pipe_do.consumer_release(read);
         add_dq<T>(args, smem, tdQrdQ, tid, tile, entry);
         warpgroup_wait<0>();
+        // Published after the dK wait: the staged stores drain while dK runs, and the proxy fence, which
+        // waits for them, comes once they have.
+        publish_dq<T>(tid);
         warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);
         pipe_q.consumer_release(read);
@@ -642,6 +686,7 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
         warpgroup_wait<2>();  // dQ done; its adds overlap dV and dK
         warpgroup_fence_operand(tdQrdQ);
         add_dq<T>(args, smem, tdQrdQ, tid, tile, entry);
+        publish_dq<T>(tid);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tdVrdV);
         warpgroup_fence_operand(tdKrdK);
