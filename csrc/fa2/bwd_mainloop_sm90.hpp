@@ -580,8 +580,20 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
   Tensor tdPrdO = thr_sdp.partition_fragment_B(sDO);
   Tensor tdVrdO = thr_dkv.partition_fragment_B(sDOt);
   Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
-  Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
+  // dQ's operands: dS (queries, keys) and K^T (head dim, keys), as A and B, or B and A transposed.
+  Tensor tdQrdS = [&] {
+    if constexpr (T::kDqTransposed) return thr_dq.partition_fragment_B(sdS); else return thr_dq.partition_fragment_A(sdS);
+  }();
+  Tensor tdQrK = [&] {
+    if constexpr (T::kDqTransposed) return thr_dq.partition_fragment_A(sKt); else return thr_dq.partition_fragment_B(sKt);
+  }();
+  auto dq_gemm = [&](auto& tdQrdS_step, auto& tdQrdQ) {
+    if constexpr (T::kDqTransposed) {
+      wg_gemm<true, -1, false>(mma_dq, tdQrK, tdQrdS_step, tdQrdQ);
+    } else {
+      wg_gemm<true, -1, false>(mma_dq, tdQrdS_step, tdQrK, tdQrdQ);
+    }
+  };
 
   // P and dS into shared memory: the S^T fragment stored transposed, as (queries, keys).
   auto copy_pds = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_sdp);
@@ -643,7 +655,7 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
       convert_pairs(rP, tSrS);
       Tensor rdS = make_tensor_like<Element>(tdPrdP);
       convert_pairs(rdS, tdPrdP);
-      Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<TileM, TileD>{});
+      Tensor tdQrdQ = partition_fragment_C(mma_dq, typename T::DqShape{});
       auto tdQrdS_step = tdQrdS(_, _, _, ds_stage);
       if constexpr (T::kSplitKeys) {
         // dV += P^T.dO straight from registers, while dS goes to shared memory for dQ.
@@ -654,7 +666,7 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
         copy(copy_pds, thr_copy_ds.retile_S(rdS), thr_copy_ds.partition_D(sdSt)(_, _, _, ds_stage));
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierMmaWarps);
-        wg_gemm<true, -1, false>(mma_dq, tdQrdS_step, tdQrK, tdQrdQ);
+        dq_gemm(tdQrdS_step, tdQrdQ);
         Tensor tdKrdS = make_tensor(rdS.data(), acc_to_a_operand_layout(rdS.layout()));
         wg_gemm<false, -1, true>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read.index()), tdKrdK);
         warpgroup_wait<1>();  // dV and dQ done, dK may still run
@@ -678,7 +690,7 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
         copy(copy_pds, thr_copy_ds.retile_S(rdS), thr_copy_ds.partition_D(sdSt)(_, _, _, ds_stage));
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, kBwdBarrierMmaWarps);
-        wg_gemm<true, -1, false>(mma_dq, tdQrdS_step, tdQrK, tdQrdQ);
+        dq_gemm(tdQrdS_step, tdQrdQ);
         auto tdVrPt = thr_dkv.partition_fragment_A(sPt)(_, _, _, ds_stage);
         wg_gemm<false, -1, false>(mma_dkv, tdVrPt, tdVrdO(_, _, _, read.index()), tdVrdV);
         auto tdKrdSt = thr_dkv.partition_fragment_A(sdSt)(_, _, _, ds_stage);

@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_postprocess(CUTE_GRID_CON
   const int tile = (batch * a.heads_q + head) * a.num_m_blocks + m_block;  // as query_tile_index
 
   typename T::TiledMmaDQ mma_dq;
-  Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<typename T::TileM, typename T::TileD>{});
+  Tensor tdQrdQ = partition_fragment_C(mma_dq, typename T::DqShape{});
   const float* accum = a.dq_accum + int64_t(tile) * T::kDqFloats;
   CUTE_UNROLL
   for (int i = 0; i < T::kDqFloatsPerThread; i += 4) {
@@ -129,9 +129,16 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_postprocess(CUTE_GRID_CON
   Tensor rdQ = make_tensor_like<Element>(tdQrdQ);
   convert_pairs(rdQ, tdQrdQ);
   Tensor sdQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem_raw)), typename T::SmemLayoutDQ{});
-  auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dq);
-  auto thr_copy = smem_copy.get_thread_slice(tid);
-  copy(smem_copy, thr_copy.retile_S(rdQ), thr_copy.partition_D(sdQ));
+  if constexpr (T::kDqTransposed) {  // a dQ^T fragment, stored transposed
+    Tensor sdQt = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem_raw)), typename T::SmemLayoutDQt{});
+    auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_dq);
+    auto thr_copy = smem_copy.get_thread_slice(tid);
+    copy(smem_copy, thr_copy.retile_S(rdQ), thr_copy.partition_D(sdQt));
+  } else {
+    auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dq);
+    auto thr_copy = smem_copy.get_thread_slice(tid);
+    copy(smem_copy, thr_copy.retile_S(rdQ), thr_copy.partition_D(sdQ));
+  }
   cutlass::arch::fence_view_async_shared();  // st.shared visible to the TMA engine
   __syncthreads();
   if (tid == 0) {

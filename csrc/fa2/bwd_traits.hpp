@@ -11,6 +11,10 @@
 #include <cutlass/fast_math.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
+// WGMMA's N = 80 (CUTLASS's "extended" shapes, which its op selectors take only when enabled for the whole
+// build): the 80-row query tiles' S^T, dP^T and dQ^T.
+#include <cute/arch/mma_sm90_gmma_ext.hpp>
+#include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
 
 #include "bwd_params.h"
 #include "mainloop_sm90.hpp"  // ElementOf, wg_gemm, convert_pairs
@@ -42,25 +46,40 @@ using namespace cute;
 #ifndef FA2_BWD_STAGES_HDIM256
 #define FA2_BWD_STAGES_HDIM256 2
 #endif
-template <int HeadDim, bool kMasked>
+#ifndef FA2_BWD_BLOCK_M_HDIM128
+#define FA2_BWD_BLOCK_M_HDIM128 64
+#endif
+// The SS-WGMMA op of a tiled MMA atom's (M, N, K): CUTLASS's selector, or the 80-wide op for N = 80.
+template <class Element, class AtomShape, GMMA::Major kMajorA, GMMA::Major kMajorB>
+constexpr auto bwd_ss_op() {
+  if constexpr (size<1>(AtomShape{}) == 80 && is_same_v<Element, cutlass::bfloat16_t>) {
+    return SM90::GMMA::MMA_64x80x16_F32BF16BF16_SS<kMajorA, kMajorB>{};
+  } else if constexpr (size<1>(AtomShape{}) == 80) {
+    return SM90::GMMA::MMA_64x80x16_F32F16F16_SS<kMajorA, kMajorB>{};
+  } else {
+    return GMMA::ss_op_selector<Element, Element, float, AtomShape, kMajorA, kMajorB>();
+  }
+}
+
+template <int HeadDim, bool kMasked, bool kCausal>
 struct BwdTileConfig;
-template <bool kMasked>
-struct BwdTileConfig<64, kMasked> {
+template <bool kMasked, bool kCausal>
+struct BwdTileConfig<64, kMasked, kCausal> {
   static constexpr int kBlockM = kMasked ? 64 : 128, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
   static constexpr bool kSplitKeys = true, kStagedDq = true;
 };
-template <bool kMasked>
-struct BwdTileConfig<128, kMasked> {
-  static constexpr int kBlockM = 64, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
+template <bool kMasked, bool kCausal>
+struct BwdTileConfig<128, kMasked, kCausal> {
+  static constexpr int kBlockM = kMasked || kCausal ? 64 : FA2_BWD_BLOCK_M_HDIM128, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
   static constexpr bool kSplitKeys = true, kStagedDq = true;
 };
-template <bool kMasked>
-struct BwdTileConfig<192, kMasked> {
+template <bool kMasked, bool kCausal>
+struct BwdTileConfig<192, kMasked, kCausal> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStagesQ = 2, kStagesDO = 2;
   static constexpr bool kSplitKeys = false, kStagedDq = FA2_BWD_STAGED_DQ_HDIM192;
 };
-template <bool kMasked>
-struct BwdTileConfig<256, kMasked> {
+template <bool kMasked, bool kCausal>
+struct BwdTileConfig<256, kMasked, kCausal> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStagesQ = FA2_BWD_STAGES_HDIM256, kStagesDO = FA2_BWD_STAGES_HDIM256;
   static constexpr bool kSplitKeys = false, kStagedDq = FA2_BWD_STAGED_DQ_HDIM256;
 };
@@ -100,7 +119,7 @@ struct DqTarget {
 template <int HeadDim_, DType Dt, bool Causal_, MaskKind Mask_ = MaskKind::kNone>
 struct BwdTraits {
   using Element = typename ElementOf<Dt>::type;
-  using Config = BwdTileConfig<HeadDim_, Mask_ != MaskKind::kNone>;
+  using Config = BwdTileConfig<HeadDim_, Mask_ != MaskKind::kNone, Causal_>;
   static constexpr int kHeadDim = HeadDim_;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
@@ -115,7 +134,7 @@ struct BwdTraits {
   static constexpr bool kStagedDq = Config::kStagedDq;
   static_assert(kHeadDim % 64 == 0, "head dim must fill whole swizzle rows of either width");
   static_assert(kSplitKeys ? kBlockN == 128 : kBlockN == 64, "one or two 64-key warpgroup slices");
-  static_assert(kBlockM % 64 == 0 && kBlockN % 64 == 0);
+  static_assert((kSplitKeys ? kBlockM % 16 : kBlockM % 64) == 0 && kBlockN % 64 == 0);
 
   static constexpr int kMmaWarpgroups = 2;
   static constexpr int kMmaThreads = 128 * kMmaWarpgroups;
@@ -135,7 +154,7 @@ struct BwdTraits {
   // S^T = K.Q^T and dP^T = V.dO^T: (M, N, K) = (keys, queries, head dim).
   using AtomShapeSdP = std::conditional_t<kSplitKeys, Shape<TileN, TileM, TileD>, Shape<TileN, Int<kBlockM / 2>, TileD>>;
   using AtomLayoutSdP = std::conditional_t<kSplitKeys, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>;
-  using TiledMmaSdP = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, AtomShapeSdP>(),
+  using TiledMmaSdP = decltype(make_tiled_mma(bwd_ss_op<Element, AtomShapeSdP, GMMA::Major::K, GMMA::Major::K>(),
                                               AtomLayoutSdP{}));
   // dV += P^T.dO and dK += dS^T.Q: (keys, head dim, queries). kSplitKeys: P^T / dS^T from registers;
   // otherwise from shared memory (keys contiguous, i.e. MN-major), each warpgroup half the head dim.
@@ -147,11 +166,19 @@ struct BwdTraits {
       decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapeDKV, GMMA::Major::MN, GMMA::Major::MN>())>;
   using TiledMmaDKV = decltype(make_tiled_mma(MmaOpDKV{}, AtomLayoutDKV{}));
   // dQ = dS.K: (queries, head dim, keys). A 128-row query tile is split by rows, a 64-row one by head dim.
+  // A tile of other height (no multiple of WGMMA's 64 rows) runs transposed, dQ^T = K^T.dS^T (head dim,
+  // queries, keys), the warpgroups splitting the head dim. DqShape: the dQ fragment's (M, N).
+  static constexpr bool kDqTransposed = kBlockM % 64 != 0;
   static constexpr bool kDqSplitRows = kBlockM == 128;
-  using AtomShapeDQ = std::conditional_t<kDqSplitRows, Shape<TileM, TileD, TileN>, Shape<TileM, Int<kHeadDim / 2>, TileN>>;
-  using AtomLayoutDQ = std::conditional_t<kDqSplitRows, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>;
-  using TiledMmaDQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, AtomShapeDQ, GMMA::Major::K, GMMA::Major::MN>(), AtomLayoutDQ{}));
+  using AtomShapeDQ = std::conditional_t<
+      kDqTransposed, Shape<TileD, TileM, TileN>,
+      std::conditional_t<kDqSplitRows, Shape<TileM, TileD, TileN>, Shape<TileM, Int<kHeadDim / 2>, TileN>>>;
+  using AtomLayoutDQ = std::conditional_t<kDqTransposed || kDqSplitRows, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>;
+  using MmaOpDQ = std::conditional_t<
+      kDqTransposed, decltype(bwd_ss_op<Element, AtomShapeDQ, GMMA::Major::MN, GMMA::Major::K>()),
+      decltype(GMMA::ss_op_selector<Element, Element, float, AtomShapeDQ, GMMA::Major::K, GMMA::Major::MN>())>;
+  using TiledMmaDQ = decltype(make_tiled_mma(MmaOpDQ{}, AtomLayoutDQ{}));
+  using DqShape = std::conditional_t<kDqTransposed, Shape<TileD, TileM>, Shape<TileM, TileD>>;
 
   // Every 16-bit tile keeps one dimension contiguous in swizzled rows: Q, dO, K, V (and dK, dV, dQ
   // staging) the head dim; P and dS (queries, keys) the keys, in 128-byte rows. The head-dim tiles take
@@ -166,6 +193,7 @@ struct BwdTraits {
   using SmemLayoutV = SmemLayoutK;
   using SmemLayoutPdS = decltype(tile_to_shape(SmemAtom{}, Shape<TileM, TileN, Int<kStagesDS>>{}));
   using SmemLayoutDQ = decltype(tile_to_shape(SmemAtomD{}, Shape<TileM, TileD>{}));  // postprocess staging
+  using SmemLayoutDQt = decltype(composition(SmemLayoutDQ{}, make_ordered_layout(Shape<TileD, TileM>{}, Step<_2, _1>{})));
   // Transposed views (MN-major operands): Q^T and dO^T as (head dim, queries), K^T as (head dim, keys),
   // P^T and dS^T as (keys, queries).
   using SmemLayoutQt = decltype(composition(
