@@ -49,6 +49,9 @@ using namespace cute;
 #ifndef FA2_BWD_BLOCK_M_HDIM128
 #define FA2_BWD_BLOCK_M_HDIM128 64
 #endif
+#ifndef FA2_BWD_BLOCK_M_HDIM128_CAUSAL
+#define FA2_BWD_BLOCK_M_HDIM128_CAUSAL 64
+#endif
 // The SS-WGMMA op of a tiled MMA atom's (M, N, K): CUTLASS's selector, or the 80-wide op for N = 80.
 template <class Element, class AtomShape, GMMA::Major kMajorA, GMMA::Major kMajorB>
 constexpr auto bwd_ss_op() {
@@ -70,7 +73,7 @@ struct BwdTileConfig<64, kMasked, kCausal> {
 };
 template <bool kMasked, bool kCausal>
 struct BwdTileConfig<128, kMasked, kCausal> {
-  static constexpr int kBlockM = kMasked || kCausal ? 64 : FA2_BWD_BLOCK_M_HDIM128, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
+  static constexpr int kBlockM = kMasked ? 64 : kCausal ? FA2_BWD_BLOCK_M_HDIM128_CAUSAL : FA2_BWD_BLOCK_M_HDIM128, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
   static constexpr bool kSplitKeys = true, kStagedDq = true;
 };
 template <bool kMasked, bool kCausal>
