@@ -636,7 +636,8 @@ CUTE_DEVICE void bwd_mma(const BwdKernelArgs<Traits>& args, typename Traits::Sha
       probabilities<T>(args, tSrS, tScS, smem.lse.data() + read.index() * T::kBlockM, entry, m_block, tile.n_block,
                        head, tile.batch);
       // D read while the dP GEMM runs keeps the shared-memory latency off the path after its wait (with the
-      // 128-query tiles of D=64 the 32 registers it holds there spill: read after it).
+      // 128-query tiles of D=64 the 32 registers it holds there spill, with D=128's 80-query tiles 20: read
+      // after it).
       const float* dsum_rows = smem.dsum.data() + read.index() * T::kBlockM;
       const auto dsum = [&] {
         if constexpr (T::kBlockM == 64) return query_column_values(tScS, dsum_rows); else return dsum_rows;
