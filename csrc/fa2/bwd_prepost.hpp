@@ -129,16 +129,14 @@ __global__ void __launch_bounds__(kPrepostThreads) bwd_postprocess(CUTE_GRID_CON
   Tensor rdQ = make_tensor_like<Element>(tdQrdQ);
   convert_pairs(rdQ, tdQrdQ);
   Tensor sdQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem_raw)), typename T::SmemLayoutDQ{});
-  if constexpr (T::kDqTransposed) {  // a dQ^T fragment, stored transposed
-    Tensor sdQt = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem_raw)), typename T::SmemLayoutDQt{});
-    auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U16x8_STSM_T, Element>{}, mma_dq);
-    auto thr_copy = smem_copy.get_thread_slice(tid);
-    copy(smem_copy, thr_copy.retile_S(rdQ), thr_copy.partition_D(sdQt));
-  } else {
-    auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dq);
-    auto thr_copy = smem_copy.get_thread_slice(tid);
-    copy(smem_copy, thr_copy.retile_S(rdQ), thr_copy.partition_D(sdQ));
-  }
+  // The fragment's view of the staging tile: a dQ^T fragment goes through the transposed view, with a
+  // transposing stmatrix.
+  using FragmentView = std::conditional_t<T::kDqTransposed, typename T::SmemLayoutDQt, typename T::SmemLayoutDQ>;
+  using StoreOp = std::conditional_t<T::kDqTransposed, SM90_U16x8_STSM_T, SM90_U32x4_STSM_N>;
+  Tensor sdQ_fragment_view = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem_raw)), FragmentView{});
+  auto smem_copy = make_tiled_copy_C(Copy_Atom<StoreOp, Element>{}, mma_dq);
+  auto thr_copy = smem_copy.get_thread_slice(tid);
+  copy(smem_copy, thr_copy.retile_S(rdQ), thr_copy.partition_D(sdQ_fragment_view));
   cutlass::arch::fence_view_async_shared();  // st.shared visible to the TMA engine
   __syncthreads();
   if (tid == 0) {
