@@ -7,10 +7,9 @@ A key tile's work is counted as the query tiles that see one of its keys (a tile
 costs nothing). Four launches are compared by their busiest SM over the mean (1.0 = perfectly even): the
 persistent grid's static stride (CTA c takes tiles c, c + SMs, ...), one CTA per tile in tile order (the
 hardware hands the next tile to the first SM that frees up), the same heaviest tile first, and the dynamic
-walk of design.md's open items: slots of paired key tiles j and N-1-j of one (batch, head), each next slot
-taken by the first CTA to be free.
-Causal as a bool tensor is not paired by the persistent grid (pairs follow ``is_causal``), so its tiles
-are modelled one by one by the static stride, as the kernel walks them.
+walk the kernel has (docs/backward.md, "Persistent grid"): slots of paired key tiles j and N-1-j of one
+(batch, head), each next slot taken by the first CTA to be free. The static stride is the grid before the
+walk, which took the tiles one by one.
 """
 
 from __future__ import annotations
