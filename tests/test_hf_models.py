@@ -2,7 +2,7 @@
 
 For each family × {eager, sdpa}: every attention site is rewritten (counted against the number of sites
 computed from the config) and the logits equal the uncompiled model's. Families whose attention cannot be
-computed exactly by the op (attention sinks, sliding chunks) must be refused with a reason instead.
+computed exactly by the op (Longformer's sliding chunks) must be refused with a reason instead.
 The post-grad graph is inspected too: K/V reach the op with their own (un-repeated) heads, and a purely
 causal mask becomes is_causal=True.
 
@@ -114,7 +114,7 @@ def test_compiled_model_rewrites_every_attention_site(compile_on_cpu, name, impl
         expected = model_output(model(**inputs))
         got = model_output(torch.compile(model, backend="fa2_inductor")(**inputs))
 
-    # The refused forms (attention sinks, sliding chunks) are in the eager graphs only.
+    # The refused form (sliding chunks) is in the eager graphs only.
     must_refuse = family.refusal is not None and impl == "eager"
     rewrites = counters["fa2_inductor"]["rewrites"]
     if must_refuse:
