@@ -43,10 +43,10 @@ using namespace cute;
 #ifndef FA2_BWD_STAGES_HDIM256
 #define FA2_BWD_STAGES_HDIM256 2
 #endif
-// D = 128 without a mask: 80-row query tiles (FlashAttention-3's non-causal choice) amortise a step's fixed
-// cost over 25 % more rows; on an H100 its backward read 3-10 % faster than 64 rows from 2k tokens on, causal
-// too, and ~14 % slower at 512 (a 512-row sequence pads its seventh tile from 32 rows to 80). Masked kernels
-// keep 64 rows (room for the mask's bits or values).
+// D = 128 without a mask and without causal: 80-row query tiles (FlashAttention-3's choice) amortise a step's
+// fixed cost over 25 % more rows (slower only at 512 tokens, where a sequence's seventh tile pads 32 rows to
+// 80). Causal kernels keep 64 rows, as FlashAttention-3 does: 80 read faster on an H100 but slower on the
+// H200 (design.md §6). Masked kernels keep 64 rows too (room for the mask's bits or values).
 #ifndef FA2_BWD_BLOCK_M_HDIM128
 #define FA2_BWD_BLOCK_M_HDIM128 80
 #endif
@@ -60,25 +60,25 @@ constexpr auto bwd_ss_op() {
   }
 }
 
-template <int HeadDim, bool kMasked>
+template <int HeadDim, bool kMasked, bool kCausal>
 struct BwdTileConfig;
-template <bool kMasked>
-struct BwdTileConfig<64, kMasked> {
+template <bool kMasked, bool kCausal>
+struct BwdTileConfig<64, kMasked, kCausal> {
   static constexpr int kBlockM = kMasked ? 64 : 128, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
   static constexpr bool kSplitKeys = true, kStagedDq = true;
 };
-template <bool kMasked>
-struct BwdTileConfig<128, kMasked> {
-  static constexpr int kBlockM = kMasked ? 64 : FA2_BWD_BLOCK_M_HDIM128, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
+template <bool kMasked, bool kCausal>
+struct BwdTileConfig<128, kMasked, kCausal> {
+  static constexpr int kBlockM = kMasked || kCausal ? 64 : FA2_BWD_BLOCK_M_HDIM128, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
   static constexpr bool kSplitKeys = true, kStagedDq = true;
 };
-template <bool kMasked>
-struct BwdTileConfig<192, kMasked> {
+template <bool kMasked, bool kCausal>
+struct BwdTileConfig<192, kMasked, kCausal> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStagesQ = 2, kStagesDO = 2;
   static constexpr bool kSplitKeys = false, kStagedDq = FA2_BWD_STAGED_DQ_HDIM192;
 };
-template <bool kMasked>
-struct BwdTileConfig<256, kMasked> {
+template <bool kMasked, bool kCausal>
+struct BwdTileConfig<256, kMasked, kCausal> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStagesQ = FA2_BWD_STAGES_HDIM256, kStagesDO = FA2_BWD_STAGES_HDIM256;
   static constexpr bool kSplitKeys = false, kStagedDq = FA2_BWD_STAGED_DQ_HDIM256;
 };
@@ -118,7 +118,7 @@ struct DqTarget {
 template <int HeadDim_, DType Dt, bool Causal_, MaskKind Mask_ = MaskKind::kNone>
 struct BwdTraits {
   using Element = typename ElementOf<Dt>::type;
-  using Config = BwdTileConfig<HeadDim_, Mask_ != MaskKind::kNone>;
+  using Config = BwdTileConfig<HeadDim_, Mask_ != MaskKind::kNone, Causal_>;
   static constexpr int kHeadDim = HeadDim_;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
