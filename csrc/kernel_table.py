@@ -10,8 +10,8 @@ from __future__ import annotations
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 # What a build compiles unless FA2_INDUCTOR_HEAD_DIMS says otherwise; any other head dim (a multiple of 8) runs
-# on the next larger one. 96 is built on request: 8-14% faster than its padded run on 128 (H200), but its ten
-# units brought the build to 181 s of the 3 minutes allowed, before the units started in BUILD_ORDER.
+# on the next larger one. 96 is built on request: 8-14% faster than its padded run on 128 (H200), but five more
+# units for a build near the 3 minutes allowed (design.md §4).
 DEFAULT_HEAD_DIMS = (64, 128, 192, 256)
 # Head dims with backward kernels of their own; another's backward runs on the next larger one (96 on 128).
 BACKWARD_HEAD_DIMS = (64, 128, 192, 256)
@@ -20,23 +20,24 @@ DTYPES = {"bf16": "kBF16", "fp16": "kFP16"}
 FORWARD = "../fa2/launch.hpp"
 BACKWARD = "../fa2/bwd_launch.hpp"
 DECODE = "../fa2/decode.hpp"
-# Unit name -> (what it is, the header its instantiations need, its explicit instantiations).
+# Unit name -> (what it is, the header its instantiations need, its explicit instantiations). Kernels that
+# share a header share a unit in pairs: a unit pays its parse of CuTe/CUTLASS once for both (D = 128 bf16
+# backward, plain and causal: 43 s of CPU in one unit against 40 + 33 s apart; the SASS is the same), and
+# pairs keep the units short enough to spread over a machine's cores.
 VARIANTS = {
-    "fwd_plain": ("forward, no mask", FORWARD, ["FA2_INSTANTIATE_FWD({d}, {t}, false)"]),
-    "fwd_causal": ("forward, causal (top-left), optional left window", FORWARD, ["FA2_INSTANTIATE_FWD({d}, {t}, true)"]),
-    "fwd_maskbool": ("forward, boolean mask (True = attend) with its pre-pass, causal/window positions at run time",
-                     FORWARD, ["FA2_INSTANTIATE_FWD_MASKED({d}, {t}, kBool)",
-                               "FA2_INSTANTIATE_MASK_WORKSPACE({d}, {t}, kBool)"]),
-    "fwd_maskadd": ("forward, additive float mask with its pre-pass", FORWARD,
-                    ["FA2_INSTANTIATE_FWD_MASKED({d}, {t}, kAdditive)",
-                     "FA2_INSTANTIATE_MASK_WORKSPACE({d}, {t}, kAdditive)"]),
+    "fwd_unmasked": ("forward, no mask; causal (top-left) with an optional left window", FORWARD,
+                     ["FA2_INSTANTIATE_FWD({d}, {t}, false)", "FA2_INSTANTIATE_FWD({d}, {t}, true)"]),
+    "fwd_masked": ("forward, boolean (True = attend) and additive masks with their pre-pass, causal/window "
+                   "positions at run time", FORWARD,
+                   ["FA2_INSTANTIATE_FWD_MASKED({d}, {t}, kBool)", "FA2_INSTANTIATE_MASK_WORKSPACE({d}, {t}, kBool)",
+                    "FA2_INSTANTIATE_FWD_MASKED({d}, {t}, kAdditive)",
+                    "FA2_INSTANTIATE_MASK_WORKSPACE({d}, {t}, kAdditive)"]),
     "fwd_decode": ("forward, split-KV for few query rows (every mask, causal/window)", DECODE,
                    ["FA2_INSTANTIATE_DECODE({d}, {t})"]),
-    "bwd_plain": ("backward, no mask", BACKWARD, ["FA2_INSTANTIATE_BWD({d}, {t}, false, kNone)"]),
-    "bwd_causal": ("backward, causal (top-left)", BACKWARD, ["FA2_INSTANTIATE_BWD({d}, {t}, true, kNone)"]),
-    "bwd_maskbool": ("backward, boolean mask", BACKWARD, ["FA2_INSTANTIATE_BWD({d}, {t}, false, kBool)"]),
-    "bwd_maskadd": ("backward, additive mask (and its gradient)", BACKWARD,
-                    ["FA2_INSTANTIATE_BWD({d}, {t}, false, kAdditive)"]),
+    "bwd_unmasked": ("backward, no mask; causal (top-left)", BACKWARD,
+                     ["FA2_INSTANTIATE_BWD({d}, {t}, false, kNone)", "FA2_INSTANTIATE_BWD({d}, {t}, true, kNone)"]),
+    "bwd_masked": ("backward, boolean and additive masks (and the additive mask's gradient)", BACKWARD,
+                   ["FA2_INSTANTIATE_BWD({d}, {t}, false, kBool)", "FA2_INSTANTIATE_BWD({d}, {t}, false, kAdditive)"]),
 }
 
 # Compile units that every build has once (not per head dim).
@@ -50,10 +51,10 @@ SHARED_UNITS = {
 GENERATED_DIR = "csrc/generated"
 
 
-# The build starts the units in this order of their headers, heaviest first, so that a parallel build
-# ends on short jobs. nvcc sm_90a, one unit: backward 22-41 s (D=128 the most), forward 18-26 s, decode 2-3 s
-# (almost all of it cicc, the device front end). setuptools compiles an extension's sources sorted by name
-# (for reproducible builds), so a unit's name starts with its header's rank here; the shared units come last.
+# The build starts the units in this order of their headers, heaviest first, so that a parallel build ends
+# on short jobs (backward units take the longest, decode units a tenth of that: design.md §4). setuptools
+# compiles an extension's sources sorted by name (for reproducible builds), so a unit's name starts with its
+# header's rank here; the shared units come last.
 BUILD_ORDER = (BACKWARD, FORWARD, DECODE)
 
 

@@ -42,7 +42,7 @@ def test_the_default_build_and_the_backward_take_head_dims_the_table_knows(table
     assert set(table.BACKWARD_HEAD_DIMS) <= set(table.HEAD_DIMS)
     assert max(table.DEFAULT_HEAD_DIMS) == max(table.HEAD_DIMS)  # every head dim has a kernel to run on
     units = table.compile_units([96], ["bf16"])  # a forward-only head dim: no backward units
-    assert not any("_bwd_" in path for path in units) and any("hdim96_bf16_fwd_plain" in path for path in units)
+    assert not any("_bwd_" in path for path in units) and any("hdim96_bf16_fwd_unmasked" in path for path in units)
 
 
 @pytest.mark.parametrize("version, standard", [("2.11.0+cu130", "-std=c++17"), ("2.13.0", "-std=c++17"),
