@@ -10,8 +10,8 @@ from __future__ import annotations
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 # What a build compiles unless FA2_INDUCTOR_HEAD_DIMS says otherwise; any other head dim (a multiple of 8) runs
-# on the next larger one. 96 is built on request: 8-14% faster than its padded run on 128 (H200), but five more
-# units for a build near the 3 minutes allowed (design.md §4).
+# on the next larger one. 96 is built on request: 8-14% faster than its padded run on 128 (H200), at five more
+# compile units (the build's time: design.md §4).
 DEFAULT_HEAD_DIMS = (64, 128, 192, 256)
 # Head dims with backward kernels of their own; another's backward runs on the next larger one (96 on 128).
 BACKWARD_HEAD_DIMS = (64, 128, 192, 256)
