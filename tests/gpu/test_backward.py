@@ -135,8 +135,8 @@ def check_backward(q, k, v, is_causal, mask=None, scale=None, mask_grad=False, s
 
 # ---- unmasked and causal ----------------------------------------------------------------------------
 
-# (B, Hq, Hkv, Sq, Sk): odd sizes, tails on both sides, Sq != Sk both ways; 160 queries fill two 80-row
-# query tiles (D = 128) whose causal edges fall inside the 128-key tiles.
+# (B, Hq, Hkv, Sq, Sk): odd sizes, tails on both sides, Sq != Sk both ways; 160 queries fill two whole 80-row
+# query tiles (D = 128 without causal) and end inside a 64-row one causal, its edges inside the 128-key tiles.
 SHAPES = [
     (1, 2, 2, 1, 1),
     (2, 3, 3, 17, 17),
