@@ -21,9 +21,8 @@ FORWARD = "../fa2/launch.hpp"
 BACKWARD = "../fa2/bwd_launch.hpp"
 DECODE = "../fa2/decode.hpp"
 # Unit name -> (what it is, the header its instantiations need, its explicit instantiations). Kernels that
-# share a header share a unit in pairs: a pair costs about what one of its kernels alone does (D = 128 bf16
-# backward, plain and causal: 43 s of CPU in one unit against 40 + 33 s apart; the SASS is the same), and
-# pairs keep the units short enough to spread over a machine's cores.
+# share a header share a unit in pairs: a pair costs about what one of its kernels alone does, with the same
+# SASS (design.md §4), and pairs keep the units short enough to spread over a machine's cores.
 VARIANTS = {
     "fwd_unmasked": ("forward, no mask; causal (top-left) with an optional left window", FORWARD,
                      ["FA2_INSTANTIATE_FWD({d}, {t}, false)", "FA2_INSTANTIATE_FWD({d}, {t}, true)"]),
