@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 #include <cute/tensor.hpp>
@@ -157,14 +158,30 @@ cudaError_t launch_bwd(const BwdParams& p, cudaStream_t stream) {
   return launch_after_prior_grid(&bwd_postprocess<T>, query_grid, dim3(kPrepostThreads), kPostSmem, stream, post);
 }
 
+// Calls `run` with the traits of the kernel a call runs (as a null pointer of that type): the config's
+// long-sequence tile from kLongMinSeqlenQ query rows, where it has one. The launch and its workspace size
+// both choose here, so they always agree.
+template <int HeadDim, DType Dt, bool Causal, MaskKind Kind, class Run>
+auto with_bwd_traits(const BwdParams& params, Run run) {
+  using Config = BwdTileConfig<HeadDim, Kind != MaskKind::kNone, Causal>;
+  if constexpr (Config::kLongBlockM > 0) {
+    if (params.seqlen_q >= Config::kLongMinSeqlenQ) return run(static_cast<BwdTraits<HeadDim, Dt, Causal, Kind, true>*>(nullptr));
+  }
+  return run(static_cast<BwdTraits<HeadDim, Dt, Causal, Kind>*>(nullptr));
+}
+
 template <int HeadDim, DType Dt, bool Causal, MaskKind Kind>
 cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream) {
-  return launch_bwd<BwdTraits<HeadDim, Dt, Causal, Kind>>(params, stream);
+  return with_bwd_traits<HeadDim, Dt, Causal, Kind>(params, [&](auto* traits) {
+    return launch_bwd<std::remove_pointer_t<decltype(traits)>>(params, stream);
+  });
 }
 
 template <int HeadDim, DType Dt, bool Causal, MaskKind Kind>
 int64_t bwd_workspace_bytes(const BwdParams& params) {
-  return plan_bwd<BwdTraits<HeadDim, Dt, Causal, Kind>>(params).workspace.total_bytes;
+  return with_bwd_traits<HeadDim, Dt, Causal, Kind>(params, [&](auto* traits) {
+    return plan_bwd<std::remove_pointer_t<decltype(traits)>>(params).workspace.total_bytes;
+  });
 }
 
 }  // namespace fa2

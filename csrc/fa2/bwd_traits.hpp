@@ -43,10 +43,10 @@ using namespace cute;
 #ifndef FA2_BWD_STAGES_HDIM256
 #define FA2_BWD_STAGES_HDIM256 2
 #endif
-// D = 128 without a mask and without causal: 80-row query tiles (FlashAttention-3's choice) amortise a step's
-// fixed cost over 25 % more rows (slower only at 512 tokens, where a sequence's seventh tile pads 32 rows to
-// 80). Causal kernels keep 64 rows, as FlashAttention-3 does: 80 read faster on an H100 but slower on the
-// H200 (design.md §6). Masked kernels keep 64 rows too (room for the mask's bits or values).
+// D = 128 without a mask: 80-row query tiles (FlashAttention-3's choice) amortise a step's fixed cost over
+// 25 % more rows. Causal kernels take them from kLongMinSeqlenQ query rows and 64 rows below: H100, same run,
+// backward spans, 80 against 64 rows: 10 % slower at 512, even at 1k, 1.5-3 % faster at 2k-4k, 5-8 % at
+// 8k-16k (design.md §6). Masked kernels keep 64 rows (room for the mask's bits or values).
 #ifndef FA2_BWD_BLOCK_M_HDIM128
 #define FA2_BWD_BLOCK_M_HDIM128 80
 #endif
@@ -60,26 +60,31 @@ constexpr auto bwd_ss_op() {
   }
 }
 
+// kLongBlockM: the query rows per tile of calls with at least kLongMinSeqlenQ query rows (0: kBlockM always).
 template <int HeadDim, bool kMasked, bool kCausal>
 struct BwdTileConfig;
 template <bool kMasked, bool kCausal>
 struct BwdTileConfig<64, kMasked, kCausal> {
   static constexpr int kBlockM = kMasked ? 64 : 128, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
+  static constexpr int kLongBlockM = 0, kLongMinSeqlenQ = 0;
   static constexpr bool kSplitKeys = true, kStagedDq = true;
 };
 template <bool kMasked, bool kCausal>
 struct BwdTileConfig<128, kMasked, kCausal> {
   static constexpr int kBlockM = kMasked || kCausal ? 64 : FA2_BWD_BLOCK_M_HDIM128, kBlockN = 128, kStagesQ = 2, kStagesDO = 2;
+  static constexpr int kLongBlockM = !kMasked && kCausal ? FA2_BWD_BLOCK_M_HDIM128 : 0, kLongMinSeqlenQ = 2048;
   static constexpr bool kSplitKeys = true, kStagedDq = true;
 };
 template <bool kMasked, bool kCausal>
 struct BwdTileConfig<192, kMasked, kCausal> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStagesQ = 2, kStagesDO = 2;
+  static constexpr int kLongBlockM = 0, kLongMinSeqlenQ = 0;
   static constexpr bool kSplitKeys = false, kStagedDq = FA2_BWD_STAGED_DQ_HDIM192;
 };
 template <bool kMasked, bool kCausal>
 struct BwdTileConfig<256, kMasked, kCausal> {
   static constexpr int kBlockM = 64, kBlockN = 64, kStagesQ = FA2_BWD_STAGES_HDIM256, kStagesDO = FA2_BWD_STAGES_HDIM256;
+  static constexpr int kLongBlockM = 0, kLongMinSeqlenQ = 0;
   static constexpr bool kSplitKeys = false, kStagedDq = FA2_BWD_STAGED_DQ_HDIM256;
 };
 
@@ -115,12 +120,14 @@ struct DqTarget {
   int query_tile, turn;
 };
 
-template <int HeadDim_, DType Dt, bool Causal_, MaskKind Mask_ = MaskKind::kNone>
+// Long_: the config's tile for long query sequences (kLongBlockM), where it has one.
+template <int HeadDim_, DType Dt, bool Causal_, MaskKind Mask_ = MaskKind::kNone, bool Long_ = false>
 struct BwdTraits {
   using Element = typename ElementOf<Dt>::type;
   using Config = BwdTileConfig<HeadDim_, Mask_ != MaskKind::kNone, Causal_>;
   static constexpr int kHeadDim = HeadDim_;
-  static constexpr int kBlockM = Config::kBlockM;
+  static constexpr int kBlockM = Long_ ? Config::kLongBlockM : Config::kBlockM;
+  static_assert(kBlockM > 0, "no long-sequence tile in this config");
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStagesQ = Config::kStagesQ;
   static constexpr int kStagesDO = Config::kStagesDO;

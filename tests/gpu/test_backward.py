@@ -136,11 +136,13 @@ def check_backward(q, k, v, is_causal, mask=None, scale=None, mask_grad=False, s
 # ---- unmasked and causal ----------------------------------------------------------------------------
 
 # (B, Hq, Hkv, Sq, Sk): odd sizes, tails on both sides, Sq != Sk both ways; 160 queries fill two whole 80-row
-# query tiles (D = 128 without causal) and end inside a 64-row one causal, its edges inside the 128-key tiles.
+# query tiles (D = 128 without causal) and end inside a 64-row one causal, its edges inside the 128-key tiles;
+# 2080 queries are whole 80-row tiles causal too (D = 128 causal takes them from 2048 query rows).
 SHAPES = [
     (1, 2, 2, 1, 1),
     (2, 3, 3, 17, 17),
     (1, 2, 2, 160, 300),
+    (1, 2, 2, 2080, 2200),
     (1, 2, 2, 97, 1000),
     (1, 2, 2, 1000, 97),
     (1, 1, 1, 4099, 4099),
@@ -395,17 +397,20 @@ def test_backward_softcap(d, dt, softcap, case):
 # ---- determinism ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["full", "causal", "gqa_causal", "window", "mask", "mask_causal", "mask_window"])
+@pytest.mark.parametrize("case", ["full", "causal", "gqa_causal", "causal_long", "window", "mask", "mask_causal",
+                                  "mask_window"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_backward_deterministic(d, case):
-    """Deterministic mode: two runs give bit-identical gradients (and still the right ones)."""
+    """Deterministic mode: two runs give bit-identical gradients (and still the right ones); causal_long runs
+    the long-sequence tile where a head dim has one."""
     needs_kernel(d, "bf16")
     hkv = 2 if case == "gqa_causal" else 4
-    q, k, v = make_qkv(2, 4, hkv, 700, 900, d, torch.bfloat16, seed=d)
+    sq, sk = (2080, 2200) if case == "causal_long" else (700, 900)
+    q, k, v = make_qkv(2, 4, hkv, sq, sk, d, torch.bfloat16, seed=d)
     is_causal = case != "full" and case != "mask"
     window_left = 300 if case.endswith("window") else -1
     masked = case.startswith("mask")
-    mask = random_bool(2, 4, 700, 900, torch.Generator(device=DEV).manual_seed(1)) if masked else None
+    mask = random_bool(2, 4, sq, sk, torch.Generator(device=DEV).manual_seed(1)) if masked else None
     g = torch.randn(q.shape, device=DEV, dtype=q.dtype, generator=torch.Generator(device=DEV).manual_seed(d + 1))
     scale = 1 / math.sqrt(d)
     first = kernel_grads(q, k, v, g, scale, is_causal, mask, deterministic=True, window_left=window_left)
@@ -465,6 +470,7 @@ def test_unsupported_backward_reasons():
 PERSISTENT_CASES = {
     "full": ((3, 48, 48, 700, 700), False, None),
     "gqa_causal": ((3, 48, 16, 700, 700), True, None),
+    "causal_long": ((2, 16, 16, 2080, 2080), True, None),  # D = 128: the long-sequence (80-row) tile
     "causal_more_keys": ((2, 32, 32, 150, 1500), True, None),
     "padding": ((4, 32, 32, 600, 600), False, padding_bool),
     "padding_causal": ((4, 32, 32, 600, 600), True, padding_bool),
