@@ -74,11 +74,24 @@ def draw_case(seed: int) -> dict:
         "dynamic": rng.random() < 0.1,
     }
     # A query row with no visible key: eager's softmax gives NaN over -inf, and its float16 rounding of
-    # s + finfo.min is meaningless; compared only where eager's answer is defined.
+    # s + finfo.min is meaningless (some sums overflow to -inf, the others keep a few bits of s); compared only
+    # where eager's answer is defined. A finite fill must stay finite in every dtype the scores take (-1e9 is
+    # -inf in float16).
+    dtypes = _score_dtypes(case)
     case["empty_row"] = case["empty_row"] and (
-        case["mask"] == "finite_fill" or case["softmax"] == "safe"
-        or (case["mask"] == "hf_min" and case["dtype"] != torch.float16))
+        (case["mask"] == "finite_fill" and all(math.isfinite(_fill_in(case, d)) for d in dtypes))
+        or (case["mask"] == "hf_min" and torch.float16 not in dtypes)
+        or (case["softmax"] == "safe" and case["mask"] != "hf_min"))
     return case
+
+
+def _score_dtypes(case) -> list:
+    casts = {"half": torch.float16, "bfloat16": torch.bfloat16}
+    return [case["dtype"]] + [casts[op] for op in case["score_ops"] if op in casts]
+
+
+def _fill_in(case, dtype) -> float:
+    return torch.tensor(_fill(case, dtype), dtype=torch.float64).to(dtype).item()
 
 
 def _repeat(x, n_rep, how):
@@ -435,6 +448,18 @@ FOUND = (208, 553, 622, 637, 868, 1226)
 
 @pytest.mark.parametrize("seed", sorted(set(range(CASES)) | set(FOUND)))
 def test_graph_passes_equal_eager(fuzz_pass, seed):
+    check_case(draw_case(seed), graph_passes_backend)
+
+
+# Seeds of a long run (5000-16000) whose training gradients differ from eager's, an open bug (docs/design.md §7):
+# under a finite fill (empty_rows MEAN_V or ALL_KEYS) a row with no visible key gets no gradient from the op,
+# where eager's autograd gives its scores the softmax's gradient and V the row's share.
+WRONG_EMPTY_ROW_GRADIENTS = (10532, 13127, 15200)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="empty rows under a finite fill get no gradient")
+@pytest.mark.parametrize("seed", WRONG_EMPTY_ROW_GRADIENTS)
+def test_empty_row_gradients_equal_eager(fuzz_pass, seed):
     check_case(draw_case(seed), graph_passes_backend)
 
 
