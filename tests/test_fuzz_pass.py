@@ -31,6 +31,7 @@ CASES = int(os.environ.get("FA2_INDUCTOR_FUZZ_CASES", "200"))
 # Whole-backend cases cost ~5 s each (C++ code generation): one in forty, at least four.
 BACKEND_CASES = max(4, CASES // 40)
 _LOW = (torch.float16, torch.bfloat16)
+_CASTS = {"half": torch.float16, "bfloat16": torch.bfloat16}  # the grammar's casting ops
 
 
 def draw_case(seed: int) -> dict:
@@ -86,8 +87,7 @@ def draw_case(seed: int) -> dict:
 
 
 def _score_dtypes(case) -> list:
-    casts = {"half": torch.float16, "bfloat16": torch.bfloat16}
-    return [case["dtype"]] + [casts[op] for op in case["score_ops"] if op in casts]
+    return [case["dtype"]] + [_CASTS[op] for op in case["score_ops"] if op in _CASTS]
 
 
 def _fill_in(case, dtype) -> float:
@@ -356,14 +356,38 @@ def make_inputs(case):
     return q, k, v, _mask_input(case, heads, gen)
 
 
+def _program_dtypes(case) -> list:
+    """The dtypes the program computes in: the case's and those of its casts."""
+    return [case["dtype"]] + [_CASTS[op] for op in case["score_ops"] + case["prob_ops"] if op in _CASTS]
+
+
 def _tolerance(case) -> float:
     """The lowest precision in the program's dtype's tolerance; ten times that where rounding the scores
     (floor, trunc, int casts) turns a last-bit difference into a step."""
-    dtypes = [case["dtype"]]
-    dtypes += [{"half": torch.float16, "bfloat16": torch.bfloat16}.get(op) for op in case["score_ops"] + case["prob_ops"]]
-    tol = max(TOLERANCE[d] for d in dtypes if d is not None)
+    tol = max(TOLERANCE[d] for d in _program_dtypes(case))
     steps = case["scale"] in ("div_floor", "div_trunc") or "int" in case["score_ops"]
     return tol * 10 if steps else tol
+
+
+def _nearer_to_float64(case, inputs, got, expected) -> bool:
+    """FlashAttention's rule for a 16-bit program whose compiled output is off eager's by more than the
+    tolerance: right if its error against the same program in float64 is at most twice eager's own (eager
+    rounds in float16/bfloat16 where the op computes in float32)."""
+    if not any(d in _LOW for d in _program_dtypes(case)):
+        return False
+    inputs64 = [t.detach().double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]
+    with torch.no_grad():
+        reference = _eager(make_attention(dict(case, dtype=torch.float64)), inputs64)
+    if reference is None:
+        return False
+    flat = lambda x: list(x) if isinstance(x, (tuple, list)) else [x]  # noqa: E731
+    pairs = list(zip(flat(got), flat(expected), flat(reference)))
+    if any(torch.isnan(t).any() for triple in pairs for t in triple):
+        return False
+    error = lambda a, r: max((x.double() - y).abs().max().item() for x, y in zip(a, r))  # noqa: E731
+    compiled_error = error([p[0] for p in pairs], [p[2] for p in pairs])
+    eager_error = error([p[1] for p in pairs], [p[2] for p in pairs])
+    return compiled_error <= 2 * eager_error
 
 
 def _inductor_alone_fails(attention, inputs, case) -> bool:
@@ -408,7 +432,11 @@ def check_case(case, backend) -> Counter:
     decisions = Counter({k: n for k, n in counters["fa2_inductor"].items() if k == "rewrites" or k.startswith("refused:")})
     tol = _tolerance(case)
     message = lambda m: f"{case}\n{dict(decisions)}\n{m}"  # noqa: E731
-    torch.testing.assert_close(got, expected, atol=tol, rtol=tol, equal_nan=True, msg=message)
+    try:
+        torch.testing.assert_close(got, expected, atol=tol, rtol=tol, equal_nan=True, msg=message)
+    except AssertionError:
+        if not _nearer_to_float64(case, inputs, got, expected):
+            raise
     out, ref = (got[0], expected[0]) if isinstance(got, tuple) else (got, expected)
     if case["train"] and ref.requires_grad:
         grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(case["seed"])).to(ref.dtype)
