@@ -78,7 +78,7 @@ def draw_case(seed: int) -> dict:
     # s + finfo.min is meaningless (some sums overflow to -inf, the others keep a few bits of s); compared only
     # where eager's answer is defined. A finite fill must stay finite in every dtype the scores take (-1e9 is
     # -inf in float16).
-    dtypes = _score_dtypes(case)
+    dtypes = _cast_dtypes(case, "score_ops")
     case["empty_row"] = case["empty_row"] and (
         (case["mask"] == "finite_fill" and all(math.isfinite(_fill_in(case, d)) for d in dtypes))
         or (case["mask"] == "hf_min" and torch.float16 not in dtypes)
@@ -86,8 +86,9 @@ def draw_case(seed: int) -> dict:
     return case
 
 
-def _score_dtypes(case) -> list:
-    return [case["dtype"]] + [_CASTS[op] for op in case["score_ops"] if op in _CASTS]
+def _cast_dtypes(case, *op_lists) -> list:
+    """The case's dtype and those its casts in the named op lists take."""
+    return [case["dtype"]] + [_CASTS[op] for ops in op_lists for op in case[ops] if op in _CASTS]
 
 
 def _fill_in(case, dtype) -> float:
@@ -356,15 +357,10 @@ def make_inputs(case):
     return q, k, v, _mask_input(case, heads, gen)
 
 
-def _program_dtypes(case) -> list:
-    """The dtypes the program computes in: the case's and those of its casts."""
-    return [case["dtype"]] + [_CASTS[op] for op in case["score_ops"] + case["prob_ops"] if op in _CASTS]
-
-
 def _tolerance(case) -> float:
     """The lowest precision in the program's dtype's tolerance; ten times that where rounding the scores
     (floor, trunc, int casts) turns a last-bit difference into a step."""
-    tol = max(TOLERANCE[d] for d in _program_dtypes(case))
+    tol = max(TOLERANCE[d] for d in _cast_dtypes(case, "score_ops", "prob_ops"))
     steps = case["scale"] in ("div_floor", "div_trunc") or "int" in case["score_ops"]
     return tol * 10 if steps else tol
 
@@ -373,21 +369,21 @@ def _nearer_to_float64(case, inputs, got, expected) -> bool:
     """FlashAttention's rule for a 16-bit program whose compiled output is off eager's by more than the
     tolerance: right if its error against the same program in float64 is at most twice eager's own (eager
     rounds in float16/bfloat16 where the op computes in float32)."""
-    if not any(d in _LOW for d in _program_dtypes(case)):
+    if not any(d in _LOW for d in _cast_dtypes(case, "score_ops", "prob_ops")):
         return False
     inputs64 = [t.detach().double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]
     with torch.no_grad():
         reference = _eager(make_attention(dict(case, dtype=torch.float64)), inputs64)
     if reference is None:
         return False
-    flat = lambda x: list(x) if isinstance(x, (tuple, list)) else [x]  # noqa: E731
-    pairs = list(zip(flat(got), flat(expected), flat(reference)))
-    if any(torch.isnan(t).any() for triple in pairs for t in triple):
+    got, expected, reference = (list(x) if isinstance(x, (tuple, list)) else [x] for x in (got, expected, reference))
+    if any(t.isnan().any() for t in got + expected + reference):
         return False
-    error = lambda a, r: max((x.double() - y).abs().max().item() for x, y in zip(a, r))  # noqa: E731
-    compiled_error = error([p[0] for p in pairs], [p[2] for p in pairs])
-    eager_error = error([p[1] for p in pairs], [p[2] for p in pairs])
-    return compiled_error <= 2 * eager_error
+
+    def error(answer) -> float:
+        return max((a.double() - r).abs().max().item() for a, r in zip(answer, reference))
+
+    return error(got) <= 2 * error(expected)
 
 
 def _inductor_alone_fails(attention, inputs, case) -> bool:
