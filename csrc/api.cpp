@@ -22,6 +22,7 @@
 #include <torch/extension.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -1111,6 +1112,11 @@ BwdOutputs backward_fallback(const std::string& reason, const at::Tensor& grad_o
   return {dq.contiguous(), dk.contiguous(), dv.contiguous(), q.new_empty({0}), dsinks};
 }
 
+// Whether the current stream is capturing a CUDA graph, in which nothing may wait for the device.
+bool capturing_cuda_graph() {
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+}
+
 // The tensor if TMA can read it as it is, else a contiguous copy (autograd may hand over any layout, e.g. the
 // zero strides of a sum's gradient).
 at::Tensor tma_readable(const at::Tensor& t) {
@@ -1124,7 +1130,7 @@ BwdOutputs flash_attention_bwd_cuda(const at::Tensor& grad_out, const at::Tensor
                                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                     const std::optional<at::Tensor>& mask, double scale, bool is_causal,
                                     bool compute_mask_grad, int64_t window_left, double softcap,
-                                    const std::optional<at::Tensor>& sinks) {
+                                    const std::optional<at::Tensor>& sinks, int64_t empty_rows) {
   FA2_CHECK(mask.has_value() || !compute_mask_grad, "flash_attention_bwd: compute_mask_grad needs an attn_mask");
   const bool deterministic = at::globalContext().deterministicAlgorithms();
   const std::optional<TensorMeta> mask_meta =
@@ -1134,8 +1140,10 @@ BwdOutputs flash_attention_bwd_cuda(const at::Tensor& grad_out, const at::Tensor
       mask_meta ? &*mask_meta : nullptr, is_causal, compute_mask_grad, window_left, softcap, sinks.has_value(),
       deterministic);
   if (reason.has_value()) {
-    return backward_fallback(*reason, grad_out, q, k, v, out, lse, mask, scale, is_causal, compute_mask_grad,
-                             window_left, softcap, sinks);
+    return fa2::with_filled_row_gradients(
+        backward_fallback(*reason, grad_out, q, k, v, out, lse, mask, scale, is_causal, compute_mask_grad,
+                          window_left, softcap, sinks),
+        grad_out, q, k, v, out, lse, scale, empty_rows, softcap, capturing_cuda_graph());
   }
   c10::cuda::CUDAGuard guard(q.device());
   at::Tensor dq = at::empty(q.sizes(), q.options());
@@ -1163,7 +1171,8 @@ BwdOutputs flash_attention_bwd_cuda(const at::Tensor& grad_out, const at::Tensor
   at::Tensor dmask = dmask_sum.has_value() ? dmask_sum->reshape(mask->sizes()).to(mask->scalar_type())
                                            : q.new_empty({0});
   at::Tensor dsinks = sinks.has_value() ? fa2::sinks_gradient(grad_out, out, lse, *sinks) : q.new_empty({0});
-  return {dq, dk, dv, dmask, dsinks};
+  return fa2::with_filled_row_gradients({dq, dk, dv, dmask, dsinks}, grad_out, q, k, v, out, lse, scale, empty_rows,
+                                        softcap, capturing_cuda_graph());
 }
 
 }  // namespace
@@ -1195,7 +1204,7 @@ using FwdOpSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, con
                                                           int64_t, double, const std::optional<at::Tensor>&);
 using BwdOpSignature = BwdOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                   const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, bool,
-                                  bool, int64_t, double, const std::optional<at::Tensor>&);
+                                  bool, int64_t, double, const std::optional<at::Tensor>&, int64_t);
 
 // The ops through the dispatcher (their schemas are Python's, defined once fa2_inductor.ops has imported).
 const c10::TypedOperatorHandle<FwdOpSignature>& fwd_op() {
@@ -1227,6 +1236,7 @@ struct FlashAttentionAutograd : public torch::autograd::Function<FlashAttentionA
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["is_causal"] = is_causal;
     ctx->saved_data["window_left"] = window_left;
+    ctx->saved_data["empty_rows"] = empty_rows;
     ctx->saved_data["softcap"] = softcap;
     ctx->mark_non_differentiable({lse});
     ctx->set_materialize_grads(false);  // no zero-filled gradient for the LSE (a kernel launch per backward)
@@ -1247,7 +1257,7 @@ struct FlashAttentionAutograd : public torch::autograd::Function<FlashAttentionA
     auto [dq, dk, dv, dmask, dsinks] =
         bwd_op().call(grads[0], q, k, v, out, lse, mask, ctx->saved_data["scale"].toDouble(),
                       ctx->saved_data["is_causal"].toBool(), mask_grad, ctx->saved_data["window_left"].toInt(),
-                      ctx->saved_data["softcap"].toDouble(), sinks);
+                      ctx->saved_data["softcap"].toDouble(), sinks, ctx->saved_data["empty_rows"].toInt());
     // One gradient per forward argument: q, k, v, attn_mask, scale, is_causal, window_left, empty_rows,
     // softcap, sinks.
     return {dq, dk, dv, mask_grad ? dmask : none, none, none, none, none, none, sinks_grad ? dsinks : none};

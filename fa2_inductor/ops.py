@@ -159,19 +159,22 @@ def flash_attention_bwd(
     window_left: int = -1,
     softcap: float = 0.0,
     sinks: Optional[Tensor] = None,
+    empty_rows: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dmask, dsinks), all contiguous; dmask is empty unless compute_mask_grad, dsinks unless
-    sinks are given. Rows without a visible key (lse = -inf) contribute no gradient, whatever the forward
-    returned for them."""
-    return reference.backward_outputs(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad,
-                                      window_left, softcap, sinks)
+    sinks are given. Rows without a visible key (lse = -inf) get no gradient under ``EmptyRows.ZERO``; under
+    the others, what the forward filled them with gets eager's gradient (reference.filled_row_gradients)."""
+    outputs = reference.backward_outputs(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad,
+                                         window_left, softcap, sinks)
+    return reference.with_filled_row_gradients(outputs, grad_out, q, k, v, out, lse, scale, empty_rows, softcap)
 
 
 def _flash_attention_bwd_cuda(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad,
-                              window_left=-1, softcap=0.0, sinks=None):
+                              window_left=-1, softcap=0.0, sinks=None, empty_rows=0):
     """CUDA calls without the extension: PyTorch's flash backward where it can, else the reference, counted."""
-    return _cuda.backward_fallback(_cuda.KERNEL_NOT_BUILT, grad_out, q, k, v, out, lse, attn_mask, scale, is_causal,
-                                   compute_mask_grad, window_left, softcap, sinks)
+    outputs = _cuda.backward_fallback(_cuda.KERNEL_NOT_BUILT, grad_out, q, k, v, out, lse, attn_mask, scale,
+                                      is_causal, compute_mask_grad, window_left, softcap, sinks)
+    return reference.with_filled_row_gradients(outputs, grad_out, q, k, v, out, lse, scale, empty_rows, softcap)
 
 
 _register_cuda_kernel(flash_attention_bwd, _flash_attention_bwd_cuda)
@@ -179,19 +182,20 @@ _register_cuda_kernel(flash_attention_bwd, _flash_attention_bwd_cuda)
 
 @flash_attention_bwd.register_fake
 def _flash_attention_bwd_fake(grad_out, q, k, v, out, lse, attn_mask, scale, is_causal, compute_mask_grad,
-                              window_left=-1, softcap=0.0, sinks=None):
+                              window_left=-1, softcap=0.0, sinks=None, empty_rows=0):
     dmask = attn_mask.new_empty(attn_mask.shape) if compute_mask_grad else q.new_empty(0)
     dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dmask, dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, scale, is_causal, window_left, _empty_rows, softcap, sinks = inputs
+    q, k, v, attn_mask, scale, is_causal, window_left, empty_rows, softcap, sinks = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, sinks)
     ctx.scale = scale
     ctx.is_causal = is_causal
     ctx.window_left = window_left
+    ctx.empty_rows = empty_rows
     ctx.softcap = softcap
     ctx.mark_non_differentiable(lse)
 
@@ -201,7 +205,7 @@ def _backward(ctx, grad_out, _grad_lse):
     compute_mask_grad = bool(ctx.needs_input_grad[3])
     dq, dk, dv, dmask, dsinks = flash_attention_bwd(
         grad_out, q, k, v, out, lse, attn_mask, ctx.scale, ctx.is_causal, compute_mask_grad, ctx.window_left,
-        ctx.softcap, sinks
+        ctx.softcap, sinks, ctx.empty_rows
     )
     grads = [dq, dk, dv, dmask if compute_mask_grad else None] + [None] * (len(ctx.needs_input_grad) - 4)
     if sinks is not None and ctx.needs_input_grad[9]:

@@ -31,12 +31,13 @@ torch.exp(torch.zeros(1))
 
 
 class EmptyRows(enum.IntEnum):
-    """What a row with no visible key returns; its lse is -inf whichever is chosen, and it gets no gradient.
+    """What a row with no visible key returns; its lse is -inf whichever is chosen.
 
     Masking code says which by the value it gives hidden scores: -inf (or a bool mask) leaves such a row
     empty; a finite fill far below every score (Hugging Face's finfo.min) makes the whole row the fill, a
     uniform softmax; a finite fill that hides keys but does not swallow the score (e.g. -65504, cuDNN's
-    conversion of bool masks) shifts the whole row equally, which softmax ignores.
+    conversion of bool masks) shifts the whole row equally, which softmax ignores. An empty row gets no
+    gradient; a filled one gets eager's for a fill added to its scores (``filled_row_gradients``).
     """
 
     ZERO = 0  # out = 0: SDPA's and FlashAttention's convention
@@ -280,6 +281,73 @@ def backward_outputs(*args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dmask = q.new_empty(0) if dmask is None else dmask.contiguous()
     dsinks = q.new_empty(0) if dsinks is None else dsinks.contiguous()
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dmask, dsinks
+
+
+def filled_row_gradients(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, empty_rows: int,
+    softcap: float = 0.0,
+) -> Optional[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """The gradients of the rows the forward filled (lse -inf, ``empty_rows`` MEAN_V or ALL_KEYS), which the
+    backward's other paths leave out: (positions, dq at those query positions, dk, dv), in the accumulation
+    dtype, or None when no row was filled.
+
+    Eager computes such a row with the fill added to every score: its weights (uniform, or the softmax of the
+    unmasked scores) give V the row's share of dO, and the scores get the softmax's gradient, which the fill
+    passes on to q and k. Computed only at the query positions where some batch and head has such a row
+    (finding them costs one wait for the device), or at every position while a CUDA graph is captured (which
+    cannot wait)."""
+    if empty_rows == EmptyRows.ZERO or k.shape[2] == 0:
+        return None
+    filled = torch.isneginf(lse)
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        positions = torch.arange(q.shape[2], device=q.device)
+    else:
+        positions = filled.any(dim=1).any(dim=0).nonzero().squeeze(1)
+        if positions.numel() == 0:
+            return None
+    b, hq = q.shape[:2]
+    hkv, sk = k.shape[1], k.shape[2]
+    acc = _accumulation_dtype(q.dtype)
+    k_acc = k.to(acc).unsqueeze(2)
+    v_acc = v.to(acc).unsqueeze(2)
+    q_rows = q[:, :, positions]
+    # dO of the other batches' and heads' rows at these positions is zeroed: their gradients are the kernel's.
+    d_out = torch.where(filled[:, :, positions].unsqueeze(-1), grad_out[:, :, positions].to(acc), 0)
+    delta = (d_out * out[:, :, positions].to(acc)).sum(-1)
+    dq = torch.empty(q_rows.shape, dtype=acc, device=q.device)
+    dk = torch.zeros((b, hkv, hq // hkv, sk, k.shape[-1]), dtype=acc, device=q.device)
+    dv = torch.zeros((b, hkv, hq // hkv, sk, v.shape[-1]), dtype=acc, device=q.device)
+    for rows in _query_blocks(b, hq, positions.numel(), sk):
+        capped = _capped_scores(q_rows, k, scale, softcap, rows, hkv, acc)
+        if empty_rows == EmptyRows.MEAN_V:
+            probs = torch.full_like(capped, 1.0 / sk)
+        else:
+            probs = torch.softmax(capped, dim=-1)
+        block_d_out = _group_view(d_out[:, :, rows], hkv)
+        dv += torch.matmul(probs.transpose(-1, -2), block_d_out)
+        d_probs = torch.matmul(block_d_out, v_acc.transpose(-1, -2))
+        d_scores = probs * (d_probs - _group_view(delta[:, :, rows].unsqueeze(-1), hkv))
+        if softcap:
+            d_scores = d_scores * (1 - (capped / softcap) ** 2)
+        dq[:, :, rows] = torch.matmul(d_scores, k_acc).flatten(1, 2) * scale
+        dk += torch.matmul(d_scores.transpose(-1, -2), _group_view(q_rows[:, :, rows].to(acc), hkv)) * scale
+    return positions, dq, dk.sum(2), dv.sum(2)
+
+
+def with_filled_row_gradients(
+    outputs: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor,
+    out: Tensor, lse: Tensor, scale: float, empty_rows: int, softcap: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward op's ``outputs`` with ``filled_row_gradients`` added to dq, dk and dv."""
+    filled = filled_row_gradients(grad_out, q, k, v, out, lse, scale, empty_rows, softcap)
+    if filled is None:
+        return outputs
+    positions, filled_dq, filled_dk, filled_dv = filled
+    dq, dk, dv, dmask, dsinks = outputs
+    dq = dq.index_add(2, positions, filled_dq.to(dq.dtype))  # those rows' dq is 0 where filled
+    dk = (dk.to(filled_dk.dtype) + filled_dk).to(dk.dtype)
+    dv = (dv.to(filled_dv.dtype) + filled_dv).to(dv.dtype)
+    return dq, dk, dv, dmask, dsinks
 
 
 def _reduce_to_shape(grad: Tensor, shape: torch.Size) -> Tensor:

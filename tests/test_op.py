@@ -93,6 +93,32 @@ def test_empty_rows_policies_match_eager_finite_fills(mask_kind, empty_rows, fil
     torch.testing.assert_close(out.double(), eager, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+@pytest.mark.parametrize("hkv", [4, 1], ids=["mha", "mqa"])
+@pytest.mark.parametrize("empty_rows, fill", [(fa2_inductor.EmptyRows.MEAN_V, torch.finfo(torch.float32).min),
+                                              (fa2_inductor.EmptyRows.ALL_KEYS, -65504.0)], ids=["mean_v", "all_keys"])
+def test_empty_rows_policies_gradients_match_eager_finite_fills(empty_rows, fill, hkv, softcap):
+    """The rows a finite fill leaves without a visible key get eager's gradients, the fill added to their scores:
+    V their weights times dO, q and k the softmax's gradient through the scores (float64 on both sides)."""
+    q, k, v = (t.double().requires_grad_() for t in _qkv(2, 4, hkv, 20, 24, 16))
+    visible = torch.ones(2, 1, 1, 24, dtype=torch.bool)
+    visible[0, ..., :5] = False  # left padding: rows 0-4 of batch 0 see no key
+    out = fa2_inductor.flash_attention(q, k, v, attn_mask=visible, scale=0.25, is_causal=True, empty_rows=empty_rows,
+                                       softcap=softcap)
+    grad_out = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad_out)
+    causal = torch.ones(20, 24, dtype=torch.bool).tril()
+    scores = q @ k.repeat_interleave(4 // hkv, 1).transpose(-1, -2) * 0.25
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    probs = torch.softmax(scores + torch.where(visible & causal, 0.0, fill).double(), -1)
+    eager = probs @ v.repeat_interleave(4 // hkv, 1)
+    want = torch.autograd.grad(eager, (q, k, v), grad_out)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=f"d{name}")
+    assert got[0][0, :, :5].abs().amax() > 0.01  # the filled rows' dq is not zero
+
+
 @pytest.mark.parametrize(
     "mask_shape", [(2, 4, 19, 23), (2, 1, 19, 23), (1, 1, 19, 23), (2, 1, 1, 23), (19, 23), (23,)]
 )

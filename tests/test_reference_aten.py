@@ -1,7 +1,7 @@
 """The C++ forward and backward of csrc/fa2/reference_aten.hpp against fa2_inductor/reference.py's
 attention_forward and backward_outputs (and _cuda.sinks_gradient), of which they are ports: on CPU, over dtypes,
-shapes, GQA, masks, causal windows, soft-capping, sinks, empty-row policies, scales, an lse over more keys (a ring
-step's) and strided inputs, the two must give the same bits.
+shapes, GQA, masks, causal windows, soft-capping, sinks, empty-row policies (the filled rows' gradients too), scales,
+an lse over more keys (a ring step's) and strided inputs, the two must give the same bits.
 
 The header is compiled into a small extension first (half a minute to a few minutes), too long for every test
 run: the module runs only when asked, as a developer does after changing either side:
@@ -46,12 +46,22 @@ fa2::BwdOutputs backward(const at::Tensor& grad_out, const at::Tensor& q, const 
                                  window_left, softcap, sinks);
 }
 
+fa2::BwdOutputs backward_filled(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                const std::optional<at::Tensor>& mask, double scale, bool is_causal,
+                                int64_t window_left, double softcap, int64_t empty_rows) {
+  return fa2::with_filled_row_gradients(
+      fa2::reference_backward(grad_out, q, k, v, out, lse, mask, scale, is_causal, false, window_left, softcap,
+                              std::nullopt),
+      grad_out, q, k, v, out, lse, scale, empty_rows, softcap);
+}
+
 at::Tensor sinks_gradient(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
                           const at::Tensor& sinks) {
   return fa2::sinks_gradient(grad_out, out, lse, sinks);
 }
 """
-FUNCTIONS = ["forward", "backward", "sinks_gradient"]
+FUNCTIONS = ["forward", "backward", "backward_filled", "sinks_gradient"]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 DTYPE_IDS = ["f32", "bf16", "f16", "f64"]
@@ -342,6 +352,25 @@ def test_backward_several_query_blocks(ext):
     q, k, v = _qkv(torch.float32, b=b, hq=hq, hkv=1, sq=sq, sk=sk, d=8)
     _check_backward(ext, q, k, v, _mask("bool_keys", torch.float32, b, hq, sq, sk), softcap=5.0,
                     sinks=_sinks(torch.float32, hq))
+
+
+@pytest.mark.parametrize("empty_rows", EMPTY_ROWS, ids=[e.name.lower() for e in EMPTY_ROWS])
+@pytest.mark.parametrize("mask_kind", ["bool_empty_rows", "bool_no_key", "bool_keys"])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "mqa"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_backward_filled_rows(ext, dtype, kv_heads, softcap, mask_kind, empty_rows):
+    """The gradients of the rows a finite fill's policy filled (with_filled_row_gradients), added alike."""
+    q, k, v = _qkv(dtype, hkv=kv_heads, sq=17, sk=9)
+    mask = _mask(mask_kind, dtype, 2, 4, 17, 9)
+    out, lse = reference.attention_reference(q, k, v, mask, 0.3, True, 2, empty_rows, softcap)
+    grad_out = _random(torch.Generator().manual_seed(3), *out.shape, dtype=dtype)
+    args = (grad_out, q, k, v, out, lse, mask, 0.3, True, False, 2, softcap, None)
+    want = reference.with_filled_row_gradients(reference.backward_outputs(*args), grad_out, q, k, v, out, lse, 0.3,
+                                               empty_rows, softcap)
+    got = ext.backward_filled(grad_out, q, k, v, out, lse, mask, 0.3, True, 2, softcap, empty_rows)
+    for name, a, b in zip(("dq", "dk", "dv", "dmask", "dsinks"), got, want):
+        _assert_same_bits(a, b, name)
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "bool_empty_rows", "bool_no_key"])

@@ -1,8 +1,8 @@
 // The op's forward and backward from ATen ops alone: what a CUDA call the kernels do not run computes where no
 // Python is there (a deployed model). A port of fa2_inductor/reference.py's attention_forward and
-// attention_backward (with backward_outputs), function by function and op by op, so that both give the same
-// numbers: reference.py stays the definition, and tests/test_reference_aten.py compares the two on CPU. Runs on
-// whatever device the tensors are on.
+// attention_backward (with backward_outputs and with_filled_row_gradients), function by function and op by op,
+// so that both give the same numbers: reference.py stays the definition, and tests/test_reference_aten.py
+// compares the two on CPU. Runs on whatever device the tensors are on.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -294,6 +294,59 @@ inline BwdOutputs reference_backward(const at::Tensor& grad_out, const at::Tenso
       dsink.has_value() ? dsink->reshape(sinks->sizes()).to(sinks->scalar_type()).contiguous() : none;
   return {dq.to(q.scalar_type()).contiguous(), dk.sum(2).to(k.scalar_type()).contiguous(),
           dv.sum(2).to(v.scalar_type()).contiguous(), dmask_out, dsinks_out};
+}
+
+// The backward op's outputs with the gradients of the rows the forward filled (lse -inf under empty_rows MEAN_V
+// or ALL_KEYS) added to dq, dk and dv (reference.with_filled_row_gradients and filled_row_gradients): eager's
+// gradients for a fill added to every score of such a row, computed only at the query positions where some
+// batch and head has one (finding them waits for the device once), or at every position where the caller
+// cannot wait (capturing a CUDA graph).
+inline BwdOutputs with_filled_row_gradients(BwdOutputs outputs, const at::Tensor& grad_out, const at::Tensor& q,
+                                            const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                            const at::Tensor& lse, double scale, int64_t empty_rows,
+                                            double softcap, bool capturing = false) {
+  namespace detail = reference_detail;
+  if (empty_rows == int64_t(EmptyRows::kZero) || k.size(2) == 0) return outputs;
+  const at::Tensor filled = at::isneginf(lse);
+  const at::Tensor positions = capturing ? at::arange(q.size(2), q.options().dtype(at::kLong))
+                                         : filled.any(1).any(0).nonzero().squeeze(1);
+  const int64_t count = positions.size(0);
+  if (count == 0) return outputs;
+  const int64_t batch = q.size(0), heads = q.size(1);
+  const int64_t kv_heads = k.size(1), seq_k = k.size(2), group = heads / kv_heads;
+  const at::ScalarType acc = detail::accumulation_dtype(q.scalar_type());
+  const at::TensorOptions acc_options = q.options().dtype(acc);
+  const at::Tensor k_acc = k.to(acc).unsqueeze(2);
+  const at::Tensor v_acc = v.to(acc).unsqueeze(2);
+  const at::Tensor q_rows = q.index_select(2, positions);
+  // dO of the other batches' and heads' rows at these positions is zeroed: their gradients are the kernel's.
+  const at::Tensor d_out = at::where(filled.index_select(2, positions).unsqueeze(-1),
+                                     grad_out.index_select(2, positions).to(acc), at::zeros({}, acc_options));
+  const at::Tensor delta = (d_out * out.index_select(2, positions).to(acc)).sum(-1);
+  at::Tensor dq = at::empty(q_rows.sizes(), acc_options);
+  at::Tensor dk = at::zeros({batch, kv_heads, group, seq_k, k.size(3)}, acc_options);
+  at::Tensor dv = at::zeros({batch, kv_heads, group, seq_k, v.size(3)}, acc_options);
+  const int64_t block = detail::query_block_rows(batch, heads, count, seq_k);
+  for (int64_t start = 0; start < count; start += block) {
+    const detail::Rows rows{start, std::min(start + block, count)};
+    const at::Tensor capped = detail::capped_scores(q_rows, k, scale, softcap, rows, kv_heads, acc);
+    const at::Tensor probs = empty_rows == int64_t(EmptyRows::kMeanV) ? at::full_like(capped, 1.0 / double(seq_k))
+                                                                      : at::softmax(capped, -1);
+    const at::Tensor block_d_out = detail::group_view(d_out.slice(2, rows.start, rows.stop), kv_heads);
+    dv += at::matmul(probs.transpose(-1, -2), block_d_out);
+    const at::Tensor d_probs = at::matmul(block_d_out, v_acc.transpose(-1, -2));
+    at::Tensor d_scores =
+        probs * (d_probs - detail::group_view(delta.slice(2, rows.start, rows.stop).unsqueeze(-1), kv_heads));
+    if (softcap != 0) d_scores = d_scores * (1 - at::pow(capped / softcap, 2));
+    dq.slice(2, rows.start, rows.stop).copy_(at::matmul(d_scores, k_acc).flatten(1, 2) * scale);
+    const at::Tensor block_q = detail::group_view(q_rows.slice(2, rows.start, rows.stop).to(acc), kv_heads);
+    dk += at::matmul(d_scores.transpose(-1, -2), block_q) * scale;
+  }
+  auto& [out_dq, out_dk, out_dv, dmask, dsinks] = outputs;
+  out_dq = out_dq.index_add(2, positions, dq.to(out_dq.scalar_type()));  // those rows' dq is 0 where filled
+  out_dk = (out_dk.to(acc) + dk.sum(2)).to(out_dk.scalar_type());
+  out_dv = (out_dv.to(acc) + dv.sum(2)).to(out_dv.scalar_type());
+  return outputs;
 }
 
 // d loss / d sinks ([Hq], the sinks' dtype) for a forward whose float32 lse holds the sinks: a sink is one more

@@ -293,7 +293,7 @@ def _rewrite_backward(site: AttentionSite, backward: BackwardRegion, saved: tupl
         mask_grad = "mask" in backward.grads
         bwd = insert_call(graph, torch.ops.fa2_inductor.flash_attention_bwd.default,
                           (grad_out, q, k, v, out, lse, mask, site.scale, site.is_causal, mask_grad, site.window_left,
-                           float(site.softcap), site.sinks))
+                           float(site.softcap), site.sinks, int(site.empty_rows)))
         grads = {name: insert_call(graph, operator.getitem, (bwd, i)) for i, name in enumerate("qkv")}
         leading = _merged_leading_sizes(GraphBuilder(graph), site)  # k's and v's too (leading_dims_agree)
         grads = {name: from_op_layout(graph, g, site.layouts[name], leading) for name, g in grads.items()}

@@ -19,7 +19,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 import fa2_inductor  # noqa: E402
 from fa2_inductor import _cuda, _extension  # noqa: E402
 from fa2_inductor.bench.implementations import one_cta_per_tile  # noqa: E402
-from fa2_inductor.reference import attention_backward, attention_reference  # noqa: E402
+from fa2_inductor.reference import EmptyRows, attention_backward, attention_reference  # noqa: E402
 
 if _extension.C is None:
     pytest.skip(f"fa2_inductor._C not loaded: {_extension.status}", allow_module_level=True)
@@ -392,6 +392,48 @@ def test_backward_softcap(d, dt, softcap, case):
     is_causal = case in ("causal", "window", "padding_causal")
     window_left = 100 if case == "window" else -1
     check_backward(q, k, v, is_causal, mask=mask, seed=d, window_left=window_left, softcap=softcap)
+
+
+# ---- rows a finite fill's policy filled ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("empty_rows", [EmptyRows.MEAN_V, EmptyRows.ALL_KEYS], ids=["mean_v", "all_keys"])
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+def test_op_backward_filled_rows(dt, empty_rows, softcap):
+    """Left padding under MEAN_V / ALL_KEYS (Hugging Face's finfo.min masks): the rows that see no key get
+    eager's gradients for a fill added to their scores (V their weights times dO, q and k the softmax's
+    gradient), the others the kernel's (no fallback counted); against the float64 op on CPU, 2x rule, with
+    PyTorch's own bf16/fp16 eager math (the fill added) as the base."""
+    from torch._dynamo.utils import counters
+
+    d = 128 if (128, dt) in COMPILED else sorted(d for d, n in COMPILED if n == dt)[0]
+    needs_kernel(d, dt)
+    b, hq, hkv, s = 2, 4, 2, 300
+    q, k, v = make_qkv(b, hq, hkv, s, s, d, DTYPES[dt], layout="bshd", seed=23)
+    q, k, v = (q * 3).requires_grad_(), k.requires_grad_(), v.requires_grad_()  # q * 3: a cap of 5 bends scores
+    visible = torch.ones(b, 1, 1, s, dtype=torch.bool, device=DEV)
+    visible[1, ..., :37] = False  # rows 0-36 of batch 1 see no key (causal)
+    g = torch.randn(q.shape, device=DEV, dtype=q.dtype, generator=torch.Generator(device=DEV).manual_seed(29))
+    options = dict(attn_mask=visible, is_causal=True, empty_rows=empty_rows, softcap=softcap)
+    counters["fa2_inductor"].clear()
+    got = torch.autograd.grad(fa2_inductor.flash_attention(q, k, v, **options), (q, k, v), g)
+    assert not any(key.startswith("backward_fallback") for key in counters["fa2_inductor"])
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(fa2_inductor.flash_attention(*leaves, **{**options, "attn_mask": visible.cpu()}),
+                              leaves, g.double().cpu())
+    hidden = ~(visible & causal_bool(s, s))
+    if empty_rows == EmptyRows.ALL_KEYS:  # a fill that shifts the whole row: as if unmasked there
+        hidden &= ~hidden.all(-1, keepdim=True)
+    scores = q @ k.repeat_interleave(hq // hkv, 1).transpose(-1, -2) / math.sqrt(d)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores + torch.where(hidden, torch.finfo(q.dtype).min, 0.0).to(q.dtype)
+    eager = torch.softmax(scores, -1) @ v.repeat_interleave(hq // hkv, 1)
+    base = torch.autograd.grad(eager, (q, k, v), g)
+    for name, x, r, bse in zip(("dq", "dk", "dv"), got, ref, base):
+        assert_twice_torch_error(name, x, r.to(DEV), bse)
+    assert got[0][1, :, :37].abs().amax() > 0.01  # the filled rows' dq
 
 
 # ---- determinism ------------------------------------------------------------------------------------
