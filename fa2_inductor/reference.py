@@ -311,7 +311,7 @@ def filled_row_gradients(
     k_acc = k.to(acc).unsqueeze(2)
     v_acc = v.to(acc).unsqueeze(2)
     q_rows = q[:, :, positions]
-    # dO of the other batches' and heads' rows at these positions is zeroed: their gradients are the kernel's.
+    # dO of the other batches' and heads' rows at these positions is zeroed: the main backward gave theirs.
     d_out = torch.where(filled[:, :, positions].unsqueeze(-1), grad_out[:, :, positions].to(acc), 0)
     delta = (d_out * out[:, :, positions].to(acc)).sum(-1)
     dq = torch.empty(q_rows.shape, dtype=acc, device=q.device)

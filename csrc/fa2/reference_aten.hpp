@@ -319,7 +319,7 @@ inline BwdOutputs with_filled_row_gradients(BwdOutputs outputs, const at::Tensor
   const at::Tensor k_acc = k.to(acc).unsqueeze(2);
   const at::Tensor v_acc = v.to(acc).unsqueeze(2);
   const at::Tensor q_rows = q.index_select(2, positions);
-  // dO of the other batches' and heads' rows at these positions is zeroed: their gradients are the kernel's.
+  // dO of the other batches' and heads' rows at these positions is zeroed: the main backward gave theirs.
   const at::Tensor d_out = at::where(filled.index_select(2, positions).unsqueeze(-1),
                                      grad_out.index_select(2, positions).to(acc), at::zeros({}, acc_options));
   const at::Tensor delta = (d_out * out.index_select(2, positions).to(acc)).sum(-1);
