@@ -1117,6 +1117,43 @@ bool capturing_cuda_graph() {
   return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
 }
 
+// Whether the forward filled any row (lse -inf), found without idling the GPU: the check and its copy to host
+// memory are queued when the probe is made, before the backward's kernels, and any() waits for those two
+// alone, while the kernels queued after them keep the GPU busy (waiting after the kernels would drain the
+// queue on every call: design.md §2).
+class FilledRowsProbe {
+ public:
+  explicit FilledRowsProbe(const at::Tensor& lse)
+      : host_(at::empty({}, at::TensorOptions().dtype(at::kBool).pinned_memory(true))) {
+    host_.copy_(at::isneginf(lse).any(), /*non_blocking=*/true);
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&copied_, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(copied_, c10::cuda::getCurrentCUDAStream().stream()));
+  }
+  FilledRowsProbe(const FilledRowsProbe&) = delete;
+  FilledRowsProbe& operator=(const FilledRowsProbe&) = delete;
+  ~FilledRowsProbe() { cudaEventDestroy(copied_); }
+
+  bool any() const {
+    C10_CUDA_CHECK(cudaEventSynchronize(copied_));
+    return host_.item<bool>();
+  }
+
+ private:
+  at::Tensor host_;
+  cudaEvent_t copied_ = nullptr;
+};
+
+// The backward's outputs with the gradients of the rows the forward filled (fa2::with_filled_row_gradients),
+// where the probe found any; while a CUDA graph is captured (no probe: nothing may wait) at every position.
+BwdOutputs with_filled_rows(BwdOutputs outputs, const std::optional<FilledRowsProbe>& probe,
+                            const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& out, const at::Tensor& lse, double scale, int64_t empty_rows,
+                            double softcap) {
+  if (empty_rows == int64_t(EmptyRows::kZero) || (probe.has_value() && !probe->any())) return outputs;
+  return fa2::with_filled_row_gradients(std::move(outputs), grad_out, q, k, v, out, lse, scale, empty_rows, softcap,
+                                        /*capturing=*/!probe.has_value());
+}
+
 // The tensor if TMA can read it as it is, else a contiguous copy (autograd may hand over any layout, e.g. the
 // zero strides of a sum's gradient).
 at::Tensor tma_readable(const at::Tensor& t) {
@@ -1133,6 +1170,9 @@ BwdOutputs flash_attention_bwd_cuda(const at::Tensor& grad_out, const at::Tensor
                                     const std::optional<at::Tensor>& sinks, int64_t empty_rows) {
   FA2_CHECK(mask.has_value() || !compute_mask_grad, "flash_attention_bwd: compute_mask_grad needs an attn_mask");
   const bool deterministic = at::globalContext().deterministicAlgorithms();
+  c10::cuda::CUDAGuard guard(q.device());
+  std::optional<FilledRowsProbe> probe;
+  if (empty_rows != int64_t(EmptyRows::kZero) && !capturing_cuda_graph()) probe.emplace(lse);
   const std::optional<TensorMeta> mask_meta =
       mask.has_value() ? std::optional<TensorMeta>(TensorMeta::of(*mask)) : std::nullopt;
   const Reason reason = backward_unsupported_reason(
@@ -1140,12 +1180,10 @@ BwdOutputs flash_attention_bwd_cuda(const at::Tensor& grad_out, const at::Tensor
       mask_meta ? &*mask_meta : nullptr, is_causal, compute_mask_grad, window_left, softcap, sinks.has_value(),
       deterministic);
   if (reason.has_value()) {
-    return fa2::with_filled_row_gradients(
-        backward_fallback(*reason, grad_out, q, k, v, out, lse, mask, scale, is_causal, compute_mask_grad,
-                          window_left, softcap, sinks),
-        grad_out, q, k, v, out, lse, scale, empty_rows, softcap, capturing_cuda_graph());
+    return with_filled_rows(backward_fallback(*reason, grad_out, q, k, v, out, lse, mask, scale, is_causal,
+                                              compute_mask_grad, window_left, softcap, sinks),
+                            probe, grad_out, q, k, v, out, lse, scale, empty_rows, softcap);
   }
-  c10::cuda::CUDAGuard guard(q.device());
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
@@ -1171,8 +1209,7 @@ BwdOutputs flash_attention_bwd_cuda(const at::Tensor& grad_out, const at::Tensor
   at::Tensor dmask = dmask_sum.has_value() ? dmask_sum->reshape(mask->sizes()).to(mask->scalar_type())
                                            : q.new_empty({0});
   at::Tensor dsinks = sinks.has_value() ? fa2::sinks_gradient(grad_out, out, lse, *sinks) : q.new_empty({0});
-  return fa2::with_filled_row_gradients({dq, dk, dv, dmask, dsinks}, grad_out, q, k, v, out, lse, scale, empty_rows,
-                                        softcap, capturing_cuda_graph());
+  return with_filled_rows({dq, dk, dv, dmask, dsinks}, probe, grad_out, q, k, v, out, lse, scale, empty_rows, softcap);
 }
 
 }  // namespace
