@@ -436,6 +436,26 @@ def test_op_backward_filled_rows(dt, empty_rows, softcap):
     assert got[0][1, :, :37].abs().amax() > 0.01  # the filled rows' dq
 
 
+def test_op_backward_no_filled_row_is_zero_policy():
+    """MEAN_V with no row left empty (right padding under causal) adds nothing: in deterministic mode the
+    gradients equal EmptyRows.ZERO's bit for bit (the check for filled rows finds none)."""
+    d, dt = (128, "bf16") if (128, "bf16") in COMPILED else sorted(COMPILED)[0]
+    q, k, v = make_qkv(2, 4, 2, 300, 300, d, DTYPES[dt], layout="bshd", requires_grad=True, seed=31)
+    visible = torch.ones(2, 1, 1, 300, dtype=torch.bool, device=DEV)
+    visible[1, ..., 250:] = False
+    g = torch.randn(q.shape, device=DEV, dtype=q.dtype, generator=torch.Generator(device=DEV).manual_seed(37))
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        grads = [torch.autograd.grad(fa2_inductor.flash_attention(q, k, v, attn_mask=visible, is_causal=True,
+                                                                  empty_rows=policy), (q, k, v), g)
+                 for policy in (EmptyRows.ZERO, EmptyRows.MEAN_V)]
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    for name, zero, mean_v in zip("qkv", *grads):
+        assert torch.equal(zero, mean_v), f"d{name}"
+
+
 # ---- determinism ------------------------------------------------------------------------------------
 
 
