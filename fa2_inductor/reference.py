@@ -207,6 +207,22 @@ def _probabilities(scores: Tensor, row_lse: Tensor) -> Tensor:
     return torch.where(own, local / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum)), from_lse)
 
 
+def _score_gradients(probs: Tensor, d_out: Tensor, v_acc: Tensor, row_delta: Tensor) -> tuple[Tensor, Tensor]:
+    """One block's share of dV (Pᵀ·dO) and its scores' gradient, the softmax's: P ∘ (dO·Vᵀ − rowsum(dO ∘ O))."""
+    d_v = torch.matmul(probs.transpose(-1, -2), d_out)
+    d_probs = torch.matmul(d_out, v_acc.transpose(-1, -2))
+    return d_v, probs * (d_probs - row_delta)
+
+
+def _query_key_gradients(d_scores, capped, softcap, k_acc, q_block, scale) -> tuple[Tensor, Tensor]:
+    """One block's dQ ([B, Hq, rows, D]) and share of dK from its scores' gradient, through the soft-cap's slope
+    (d(cap * tanh(x / cap)) / dx = 1 - (capped / cap)^2)."""
+    if softcap:
+        d_scores = d_scores * (1 - (capped / softcap) ** 2)
+    d_q = torch.matmul(d_scores, k_acc).flatten(1, 2) * scale
+    return d_q, torch.matmul(d_scores.transpose(-1, -2), q_block) * scale
+
+
 def attention_backward(
     grad_out: Tensor,
     q: Tensor,
@@ -252,19 +268,16 @@ def attention_backward(
         else:  # the sink as one more key, with no value
             probs = _probabilities(torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], -1), row_lse)
             probs, p_sink = probs[..., :-1], probs[..., -1:]
-        d_out = _group_view(grad_out[:, :, rows].to(acc), hkv)
-        dv += torch.matmul(probs.transpose(-1, -2), d_out)
-        d_probs = torch.matmul(d_out, v_acc.transpose(-1, -2))
         row_delta = _group_view(delta[:, :, rows].unsqueeze(-1), hkv)
-        d_scores = probs * (d_probs - row_delta)
+        d_v, d_scores = _score_gradients(probs, _group_view(grad_out[:, :, rows].to(acc), hkv), v_acc, row_delta)
+        dv += d_v
         if dmask is not None:
             dmask[:, :, rows] = d_scores.flatten(1, 2)
         if dsink is not None:  # d(out)/d(sink) = -p_sink * out, so the row's share is -p_sink * delta
             dsink -= (p_sink * row_delta).sum(dim=(0, 3, 4), keepdim=True)
-        if softcap:  # d(cap * tanh(x / cap)) / dx = 1 - (capped / cap)^2
-            d_scores = d_scores * (1 - (capped / softcap) ** 2)
-        dq[:, :, rows] = torch.matmul(d_scores, k_acc).flatten(1, 2) * scale
-        dk += torch.matmul(d_scores.transpose(-1, -2), _group_view(q[:, :, rows].to(acc), hkv)) * scale
+        q_block = _group_view(q[:, :, rows].to(acc), hkv)
+        dq[:, :, rows], d_k = _query_key_gradients(d_scores, capped, softcap, k_acc, q_block, scale)
+        dk += d_k
     grads = (dq.to(q.dtype), dk.sum(2).to(k.dtype), dv.sum(2).to(v.dtype))
     if dmask is not None:
         dmask = _reduce_to_shape(dmask, attn_mask.shape).to(attn_mask.dtype)
@@ -323,14 +336,12 @@ def filled_row_gradients(
             probs = torch.full_like(capped, 1.0 / sk)
         else:
             probs = torch.softmax(capped, dim=-1)
-        block_d_out = _group_view(d_out[:, :, rows], hkv)
-        dv += torch.matmul(probs.transpose(-1, -2), block_d_out)
-        d_probs = torch.matmul(block_d_out, v_acc.transpose(-1, -2))
-        d_scores = probs * (d_probs - _group_view(delta[:, :, rows].unsqueeze(-1), hkv))
-        if softcap:
-            d_scores = d_scores * (1 - (capped / softcap) ** 2)
-        dq[:, :, rows] = torch.matmul(d_scores, k_acc).flatten(1, 2) * scale
-        dk += torch.matmul(d_scores.transpose(-1, -2), _group_view(q_rows[:, :, rows].to(acc), hkv)) * scale
+        row_delta = _group_view(delta[:, :, rows].unsqueeze(-1), hkv)
+        d_v, d_scores = _score_gradients(probs, _group_view(d_out[:, :, rows], hkv), v_acc, row_delta)
+        dv += d_v
+        q_block = _group_view(q_rows[:, :, rows].to(acc), hkv)
+        dq[:, :, rows], d_k = _query_key_gradients(d_scores, capped, softcap, k_acc, q_block, scale)
+        dk += d_k
     return positions, dq, dk.sum(2), dv.sum(2)
 
 

@@ -225,6 +225,25 @@ inline at::Tensor reduce_to_shape(at::Tensor grad, c10::IntArrayRef shape) {
   return broadcast.empty() ? grad : grad.sum(broadcast, /*keepdim=*/true);
 }
 
+// One block's share of dV (P^T dO) and its scores' gradient, the softmax's: P * (dO V^T - rowsum(dO * O))
+// (reference._score_gradients).
+inline std::tuple<at::Tensor, at::Tensor> score_gradients(const at::Tensor& probs, const at::Tensor& d_out,
+                                                          const at::Tensor& v_acc, const at::Tensor& row_delta) {
+  at::Tensor d_v = at::matmul(probs.transpose(-1, -2), d_out);
+  const at::Tensor d_probs = at::matmul(d_out, v_acc.transpose(-1, -2));
+  return {d_v, probs * (d_probs - row_delta)};
+}
+
+// One block's dQ ([B, Hq, rows, D]) and share of dK from its scores' gradient, through the soft-cap's slope
+// d(cap * tanh(x / cap)) / dx = 1 - (capped / cap)^2 (reference._query_key_gradients).
+inline std::tuple<at::Tensor, at::Tensor> query_key_gradients(at::Tensor d_scores, const at::Tensor& capped,
+                                                              double softcap, const at::Tensor& k_acc,
+                                                              const at::Tensor& q_block, double scale) {
+  if (softcap != 0) d_scores = d_scores * (1 - at::pow(capped / softcap, 2));
+  at::Tensor d_q = at::matmul(d_scores, k_acc).flatten(1, 2) * scale;
+  return {d_q, at::matmul(d_scores.transpose(-1, -2), q_block) * scale};
+}
+
 }  // namespace reference_detail
 
 // The backward op's outputs: dq, dk, dv, dmask (empty unless asked for), dsinks (empty without sinks).
@@ -273,19 +292,17 @@ inline BwdOutputs reference_backward(const at::Tensor& grad_out, const at::Tenso
       probs = with_sink.slice(-1, 0, seq_k);
       p_sink = with_sink.slice(-1, seq_k);
     }
-    const at::Tensor d_out = detail::group_view(grad_out.slice(2, rows.start, rows.stop).to(acc), kv_heads);
-    dv += at::matmul(probs.transpose(-1, -2), d_out);
-    const at::Tensor d_probs = at::matmul(d_out, v_acc.transpose(-1, -2));
     const at::Tensor row_delta = detail::group_view(delta.slice(2, rows.start, rows.stop).unsqueeze(-1), kv_heads);
-    at::Tensor d_scores = probs * (d_probs - row_delta);
+    const at::Tensor d_out = detail::group_view(grad_out.slice(2, rows.start, rows.stop).to(acc), kv_heads);
+    const auto [d_v, d_scores] = detail::score_gradients(probs, d_out, v_acc, row_delta);
+    dv += d_v;
     if (dmask.has_value()) dmask->slice(2, rows.start, rows.stop).copy_(d_scores.flatten(1, 2));
     // d(out)/d(sink) = -p_sink * out, so the row's share is -p_sink * delta.
     if (dsink.has_value()) *dsink -= (p_sink * row_delta).sum({0, 3, 4}, /*keepdim=*/true);
-    // d(cap * tanh(x / cap)) / dx = 1 - (capped / cap)^2
-    if (softcap != 0) d_scores = d_scores * (1 - at::pow(capped / softcap, 2));
-    dq.slice(2, rows.start, rows.stop).copy_(at::matmul(d_scores, k_acc).flatten(1, 2) * scale);
-    const at::Tensor q_rows = detail::group_view(q.slice(2, rows.start, rows.stop).to(acc), kv_heads);
-    dk += at::matmul(d_scores.transpose(-1, -2), q_rows) * scale;
+    const at::Tensor q_block = detail::group_view(q.slice(2, rows.start, rows.stop).to(acc), kv_heads);
+    const auto [d_q, d_k] = detail::query_key_gradients(d_scores, capped, softcap, k_acc, q_block, scale);
+    dq.slice(2, rows.start, rows.stop).copy_(d_q);
+    dk += d_k;
   }
   const at::Tensor none = at::empty({0}, q.options());
   const at::Tensor dmask_out =
@@ -332,15 +349,14 @@ inline BwdOutputs with_filled_row_gradients(BwdOutputs outputs, const at::Tensor
     const at::Tensor capped = detail::capped_scores(q_rows, k, scale, softcap, rows, kv_heads, acc);
     const at::Tensor probs = empty_rows == int64_t(EmptyRows::kMeanV) ? at::full_like(capped, 1.0 / double(seq_k))
                                                                       : at::softmax(capped, -1);
+    const at::Tensor row_delta = detail::group_view(delta.slice(2, rows.start, rows.stop).unsqueeze(-1), kv_heads);
     const at::Tensor block_d_out = detail::group_view(d_out.slice(2, rows.start, rows.stop), kv_heads);
-    dv += at::matmul(probs.transpose(-1, -2), block_d_out);
-    const at::Tensor d_probs = at::matmul(block_d_out, v_acc.transpose(-1, -2));
-    at::Tensor d_scores =
-        probs * (d_probs - detail::group_view(delta.slice(2, rows.start, rows.stop).unsqueeze(-1), kv_heads));
-    if (softcap != 0) d_scores = d_scores * (1 - at::pow(capped / softcap, 2));
-    dq.slice(2, rows.start, rows.stop).copy_(at::matmul(d_scores, k_acc).flatten(1, 2) * scale);
-    const at::Tensor block_q = detail::group_view(q_rows.slice(2, rows.start, rows.stop).to(acc), kv_heads);
-    dk += at::matmul(d_scores.transpose(-1, -2), block_q) * scale;
+    const auto [d_v, d_scores] = detail::score_gradients(probs, block_d_out, v_acc, row_delta);
+    dv += d_v;
+    const at::Tensor q_block = detail::group_view(q_rows.slice(2, rows.start, rows.stop).to(acc), kv_heads);
+    const auto [d_q, d_k] = detail::query_key_gradients(d_scores, capped, softcap, k_acc, q_block, scale);
+    dq.slice(2, rows.start, rows.stop).copy_(d_q);
+    dk += d_k;
   }
   auto& [out_dq, out_dk, out_dv, dmask, dsinks] = outputs;
   out_dq = out_dq.index_add(2, positions, dq.to(out_dq.scalar_type()));  // those rows' dq is 0 where filled
